@@ -1,0 +1,1 @@
+"""Op implementations: `reference` (pure MLX, runs everywhere), `metal`, `cuda`."""

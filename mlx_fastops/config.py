@@ -1,0 +1,56 @@
+"""Run-time switches read from the environment.
+
+MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FUSIONS)
+MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
+"""
+
+import os
+
+import mlx.core as mx
+
+# Every name a user may pass to MLX_FASTOPS_DISABLE or patch(disable=...). Model-level fusions
+# first, then the kernel-level switches the GPU backends consult.
+FUSIONS = {
+    "qkv": "Q/K/V projections as one matmul on concatenated weights",
+    "gate_up": "gate/up projections as one matmul, then SiLU(gate)*up",
+    "qk_norm_rope": "per-head q/k RMSNorm and RoPE in one op",
+    "residual_norm": "residual add + post-attention RMSNorm in one op",
+    "lm_head": "the (tied or untied) output projection",
+    "attention": "decode attention and prefill attention ops",
+    "gemv_int8": "GPU GEMV variant that quantises activations to int8 (dp4a / int8 x int4)",
+}
+
+BACKENDS = ("auto", "reference", "metal", "cuda")
+
+
+def parse_names(names, source):
+    """Split and validate fusion names; raises ValueError naming the bad ones."""
+    if isinstance(names, str):
+        names = [n for n in names.replace(" ", "").split(",") if n]
+    names = set(names)
+    unknown = sorted(names - FUSIONS.keys())
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown fusion name(s) {unknown}; valid names are {sorted(FUSIONS)}"
+        )
+    return names
+
+
+def disabled(extra=()):
+    """Fusions switched off by MLX_FASTOPS_DISABLE plus `extra`."""
+    env = parse_names(os.environ.get("MLX_FASTOPS_DISABLE", ""), "MLX_FASTOPS_DISABLE")
+    return env | parse_names(extra, "disable")
+
+
+def backend_name():
+    """The kernel backend to use: MLX_FASTOPS_BACKEND, or the best one this machine has."""
+    name = os.environ.get("MLX_FASTOPS_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"MLX_FASTOPS_BACKEND={name!r}; expected one of {BACKENDS}")
+    if name == "auto":
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+        return "reference"
+    return name

@@ -1,0 +1,71 @@
+"""Where kernel sources live and how kernel objects are built.
+
+Sources are real files (metal/*.metal, cuda/*.cu) at the top of a source checkout and inside the
+package (mlx_fastops/metal, ...) in an installed wheel. Kernel objects are built lazily through
+`cached_builder` functions so each (op, dtype, shape class) compiles once per process.
+
+All Metal wrappers construct kernels through `metal_kernel(...)`; tests swap the factory for the
+CPU emulator (tests/metal_emu) with `use_metal_factory`, so the same wrappers run unchanged there.
+"""
+
+import contextlib
+import functools
+from pathlib import Path
+
+import mlx.core as mx
+
+_PKG = Path(__file__).resolve().parent
+
+
+def data_dir(kind):
+    """Directory of `kind` ("metal", "cuda" or "patches"): package data first, then the checkout."""
+    for base in (_PKG / kind, _PKG.parent / kind):
+        if base.is_dir():
+            return base
+    raise FileNotFoundError(f"mlx_fastops: no {kind}/ directory in {_PKG} or {_PKG.parent}")
+
+
+@functools.lru_cache(maxsize=None)
+def read_source(kind, filename):
+    return (data_dir(kind) / filename).read_text()
+
+
+_builders = []
+
+
+def cached_builder(fn):
+    """lru_cache that `use_metal_factory` can clear (kernels built by the old factory are dropped)."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+    _builders.append(cached)
+    return cached
+
+
+def clear_builders():
+    for b in _builders:
+        b.cache_clear()
+
+
+_metal_factory = mx.fast.metal_kernel
+
+
+def metal_kernel(**kwargs):
+    """mx.fast.metal_kernel, or the factory installed by `use_metal_factory`."""
+    return _metal_factory(**kwargs)
+
+
+@contextlib.contextmanager
+def use_metal_factory(factory):
+    """Build every Metal kernel with `factory` (same signature as mx.fast.metal_kernel) inside."""
+    global _metal_factory
+    old = _metal_factory
+    _metal_factory = factory
+    clear_builders()
+    try:
+        yield
+    finally:
+        _metal_factory = old
+        clear_builders()
+
+
+def cuda_kernel(**kwargs):
+    return mx.fast.cuda_kernel(**kwargs)

@@ -1,0 +1,249 @@
+"""patch(model) / unpatch(model): swap an mlx-lm model's modules for fused ones, in place.
+
+The recipe of each family (patches/<family>.json) names the attributes that hold q/k/v/o,
+gate/up/down, norms and RoPE. Families are recognised by the Python module of the model's layer
+classes (mistral checkpoints load as mlx_lm.models.llama), not by config strings.
+"""
+
+import json
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import config, ops
+from .kernels import data_dir
+from .modules import FusedAttention, FusedBlock, FusedMLP, head_class
+from .ops.weights import PackedLinear, RopeSpec
+
+_STATE = "_mlx_fastops_state"
+
+
+def recipes():
+    """All family recipes, keyed by family name."""
+    out = {}
+    for path in sorted(data_dir("patches").glob("*.json")):
+        recipe = json.loads(path.read_text())
+        out[recipe["family"]] = recipe
+    return out
+
+
+@dataclass
+class Entry:
+    where: str  # e.g. "layers.3.self_attn" or "lm_head"
+    fusion: str
+    status: str  # "fused" | "skipped"
+    backend: str = ""
+    reason: str = ""
+
+
+@dataclass
+class PatchReport:
+    """What patch() fused where, on which backend, and what it skipped and why."""
+
+    family: str
+    backend: str
+    entries: list = field(default_factory=list)
+    extra_bytes: int = 0
+
+    def add(self, where, fusion, status, backend="", reason=""):
+        self.entries.append(Entry(where, fusion, status, backend, reason))
+
+    @property
+    def fused(self):
+        return [e for e in self.entries if e.status == "fused"]
+
+    @property
+    def skipped(self):
+        return [e for e in self.entries if e.status == "skipped"]
+
+    def summary(self):
+        """Rows (fusion, status, backend, reason, count), one per distinct outcome."""
+        rows = {}
+        for e in self.entries:
+            key = (e.fusion, e.status, e.backend, e.reason)
+            rows[key] = rows.get(key, 0) + 1
+        return [(*k, n) for k, n in rows.items()]
+
+    def __str__(self):
+        lines = [f"mlx_fastops patch: family={self.family} backend={self.backend}",
+                 "| fusion | status | backend | count | note |", "|---|---|---|---|---|"]
+        for fusion, status, backend, reason, n in self.summary():
+            lines.append(f"| {fusion} | {status} | {backend or '-'} | {n} | {reason} |")
+        return "\n".join(lines)
+
+    def to_dict(self):
+        return {"family": self.family, "backend": self.backend,
+                "summary": [dict(zip(("fusion", "status", "backend", "reason", "count"), r))
+                            for r in self.summary()]}
+
+
+def _family(model):
+    layers = getattr(model, "layers", None)
+    if not isinstance(model, nn.Module) or not layers:
+        raise TypeError(
+            f"patch() expects an mlx-lm model (an nn.Module with .layers), got {type(model).__name__}")
+    module = type(layers[0]).__module__
+    known = recipes()
+    for recipe in known.values():
+        if module in recipe["modules"]:
+            return recipe
+    model_type = getattr(model, "model_type", module)
+    raise ValueError(f"unsupported model family {model_type!r} ({module}); "
+                     f"mlx_fastops supports {sorted(known)} (mistral loads as llama)")
+
+
+class _Patcher:
+    def __init__(self, recipe, backend, disabled, report):
+        self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
+
+    def select(self, where, fusion, op, **info):
+        """The op function for `fusion`, or None if disabled; records the outcome."""
+        if fusion in self.disabled:
+            self.report.add(where, fusion, "skipped", reason="disabled")
+            return None
+        fn, used, reason = ops.select(op, self.backend, **info)
+        self.report.add(where, fusion, "fused", used, reason or "")
+        return fn
+
+    def skip(self, where, fusion, reason):
+        self.report.add(where, fusion, "skipped", reason=reason)
+
+    def stack(self, where, fusion, modules):
+        if fusion in self.disabled:
+            self.report.add(where, fusion, "skipped", reason="disabled")
+            return None
+        reason = PackedLinear.unsupported(modules)
+        if reason:
+            self.skip(where, fusion, reason)
+            return None
+        return PackedLinear.stack(modules)
+
+    def attention(self, where, attn):
+        names = self.recipe["attention"]
+        ops_ = {}
+        w = self.stack(where, "qkv", [attn[names[r]] for r in ("q", "k", "v")])
+        if w is not None:
+            ops_["qkv"] = self.select(where, "qkv", "qkv_proj", **w.info())
+            if ops_["qkv"] is None:
+                del ops_["qkv"]
+        rope = RopeSpec.from_module(attn[names["rope"]])
+        head_dim = (attn[names["q_norm"]].weight.shape[0] if "q_norm" in names
+                    else getattr(attn, "head_dim", None))
+        if rope is None:
+            self.skip(where, "qk_norm_rope", f"RoPE variant {type(attn[names['rope']]).__name__}")
+        else:
+            fn = self.select(where, "qk_norm_rope", "qk_norm_rope", head_dim=head_dim,
+                             rope=rope, norm="q_norm" in names)
+            if fn is not None:
+                ops_["norm_rope"] = fn
+        if "attention" in self.disabled:
+            self.skip(where, "attention", "disabled")
+        else:
+            info = {"head_dim": head_dim, "gqa": attn.n_heads // attn.n_kv_heads}
+            ops_["decode"], used, reason = ops.select("decode_attention", self.backend, **info)
+            ops_["prefill"], used2, reason2 = ops.select("flash_attention", self.backend, **info)
+            self.report.add(where, "attention", "fused", used, reason or "")
+        return FusedAttention(attn, names, ops_, qkv_weights=w, rope=rope)
+
+    def mlp(self, where, mlp):
+        names = self.recipe["mlp"]
+        w = self.stack(where, "gate_up", [mlp[names["gate"]], mlp[names["up"]]])
+        if w is None:
+            return mlp
+        fn = self.select(where, "gate_up", "gate_up_silu", **w.info())
+        return mlp if fn is None else FusedMLP(mlp, names, fn, w)
+
+    def block(self, where, block):
+        names = self.recipe["block"]
+        attn = self.attention(f"{where}.{names['attention']}", block[names["attention"]])
+        mlp = self.mlp(f"{where}.{names['mlp']}", block[names["mlp"]])
+        norm = block[names["post_norm"]]
+        if type(norm) is not nn.RMSNorm:
+            self.skip(where, "residual_norm", f"norm type {type(norm).__name__}")
+            add_norm = None
+        else:
+            add_norm = self.select(where, "residual_norm", "rms_norm_residual",
+                                   hidden=norm.weight.shape[0], dtype=norm.weight.dtype)
+        return FusedBlock(block, names, {"attention": attn, "mlp": mlp}, add_norm)
+
+    def head(self, model):
+        """Returns (object, original class) for the class swap, or None."""
+        inner = model.model
+        tied = "lm_head" not in model
+        obj, where = (inner.embed_tokens, "model.embed_tokens") if tied else (model.lm_head, "lm_head")
+        if "lm_head" in self.disabled:
+            self.skip(where, "lm_head", "disabled")
+            return None
+        if tied:
+            if not isinstance(obj, (nn.Embedding, nn.QuantizedEmbedding)):
+                self.skip(where, "lm_head", f"embedding type {type(obj).__name__}")
+                return None
+            reason = PackedLinear.unsupported([obj])
+            w = None if reason else PackedLinear.from_embedding(obj)
+        else:
+            reason = PackedLinear.unsupported([obj])
+            w = None if reason else PackedLinear.stack([obj])
+        if reason:
+            self.skip(where, "lm_head", reason)
+            return None
+        fn = self.select(where, "lm_head", "lm_head", **w.info())
+        original = type(obj)
+        obj.__class__ = head_class(original)
+        object.__setattr__(obj, "_fastops_head_fn", lambda x: fn(x, w))
+        return obj, original
+
+
+def patch(model, disable=()):
+    """Swap the model's modules for fused ones in place; returns a PatchReport.
+
+    Patching an already patched model is a no-op that returns the first report. `disable` takes
+    fusion names (see mlx_fastops.config.FUSIONS), added to MLX_FASTOPS_DISABLE.
+    """
+    state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
+    if state is not None:
+        return state["report"]
+    recipe = _family(model)
+    disabled = config.disabled(disable)
+    backend = config.backend_name()
+    report = PatchReport(recipe["family"], backend)
+    p = _Patcher(recipe, backend, disabled, report)
+    layers = model.layers
+    originals = list(layers)
+    for i, block in enumerate(originals):
+        layers[i] = p.block(f"layers.{i}", block)
+    head = p.head(model)
+    mx.eval(model.parameters())
+    object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head})
+    # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
+    _warm_up(model)
+    return report
+
+
+def _warm_up(model):
+    if config.backend_name() == "reference":
+        return
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for n in (4, 1):
+        mx.eval(model(mx.zeros((1, n), dtype=mx.int32), cache=cache))
+
+
+def unpatch(model):
+    """Restore the original module objects; returns True if the model was patched."""
+    state = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return False
+    layers = model.layers
+    for i, block in enumerate(state["layers"]):
+        layers[i] = block
+    if state["head"] is not None:
+        obj, original = state["head"]
+        obj.__class__ = original
+        del obj.__dict__["_fastops_head_fn"]
+    return True
+
+
+def is_patched(model):
+    return _STATE in model.__dict__

@@ -1,0 +1,149 @@
+"""Synthetic models: real mlx-lm architectures with random weights, no download.
+
+Random weights alone give near-flat logits, and greedy agreement on near-ties proves nothing. So
+the output projection is scaled until the top-1/top-2 logit margin is clear (see `verify`), and
+the residual branches are scaled so tokens vary instead of repeating the input.
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+_QWEN3 = {"model_type": "qwen3", "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+          "rope_theta": 1000000.0, "head_dim": 128}
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+CONFIGS = {
+    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 151936,
+                   "tie_word_embeddings": True},
+    "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936,
+                 "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936,
+                 "tie_word_embeddings": False},
+    "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 128256,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                     "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": True},
+    "llama-3.1-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": 128256,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                     "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                     "rms_norm_eps": 1e-6, "vocab_size": 151936, "max_position_embeddings": 32768,
+                     "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    # Qwen3-shaped, small enough for MLX's CPU backend (the default model of `bench` on CPU).
+    "qwen3-cpu": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
+                  "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32768,
+                  "tie_word_embeddings": True},
+    # Test configs: every family, shapes that are not tile multiples, GQA 2 and 4.
+    "qwen3-tiny": {**_QWEN3, "hidden_size": 192, "intermediate_size": 320, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                   "vocab_size": 1000, "tie_word_embeddings": True},
+    "llama-tiny": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 448,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+                   "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 1000,
+                   "max_position_embeddings": 4096, "rope_theta": 500000.0,
+                   "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False},
+    "qwen2-tiny": {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 384,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "rms_norm_eps": 1e-6, "vocab_size": 1000, "max_position_embeddings": 4096,
+                   "rope_theta": 1000000.0, "tie_word_embeddings": True},
+}
+
+# Residual-stream design (rms per element): the token embedding (1.0) dominates what attention adds
+# (~0.3), so each layer's MLP sees the current token; the MLP branch (~sqrt(hidden)) dominates the
+# embedding so much that, with tied embeddings, the current token's own logit is no larger than a
+# random one's: the next token is a random function of the current one and its context.
+_EMBED_RMS = 1.0
+_MLP_GAIN_PER_SQRT_HIDDEN = 10.0
+# Target spread (std) of the logits: top-1/top-2 margins of a few units, not ~0.1.
+_LOGIT_STD = 12.0
+
+
+def synthetic_model(name, bits=4, group_size=64, seed=0, dtype=None):
+    """An mlx-lm model of architecture `name` (see CONFIGS) with random, peaked weights.
+
+    bits: 4 or 8 (affine quantisation of every linear layer and the embedding), or None/0 for a
+    float model. dtype: activations/scales dtype; bfloat16 by default, float32 for `*-cpu`/`*-tiny`.
+    Returns the model; its config dict (with "quantization" when quantised) is `model.fastops_config`.
+    """
+    if name not in CONFIGS:
+        raise ValueError(f"unknown synthetic model {name!r}; choose from {sorted(CONFIGS)}")
+    if bits not in (None, 0, 2, 3, 4, 5, 6, 8):
+        raise ValueError(f"bits must be 4 or 8 (or None for a float model), got {bits}")
+    cfg = dict(CONFIGS[name])
+    if dtype is None:
+        dtype = mx.float32 if name.endswith(("-cpu", "-tiny")) else mx.bfloat16
+    mx.random.seed(seed)
+    Model, Args = _get_classes(cfg)
+    model = Model(Args.from_dict(cfg))
+    _init_weights(model, seed)
+    model.set_dtype(dtype)
+    if bits:
+        model, cfg = quantize_model(model, cfg, group_size=group_size, bits=bits)
+    cfg["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16"}.get(dtype, "bfloat16")
+    mx.eval(model.parameters())
+    object.__setattr__(model, "fastops_config", cfg)
+    object.__setattr__(model, "fastops_name", name)
+    return model
+
+
+def _init_weights(model, seed):
+    key = mx.random.key(seed)
+    hidden = model.args.hidden_size
+    embed_gain = _EMBED_RMS * hidden**0.5  # nn.Embedding draws N(0, 1/hidden)
+    tied = "lm_head" not in model
+    head_rms = _EMBED_RMS if tied else (3 * hidden) ** -0.5  # nn.Linear: U(+-1/sqrt(hidden))
+
+    def init(path, a):
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if path == "model.embed_tokens.weight":
+            return a * embed_gain
+        if path == "model.norm.weight":
+            # logit std = gain * sqrt(hidden) * rms(head row)
+            return mx.full(a.shape, _LOGIT_STD / (hidden**0.5 * head_rms))
+        if path.endswith("norm.weight"):
+            return 1.0 + 0.1 * mx.random.normal(a.shape, key=sub)
+        if path.endswith("down_proj.weight"):
+            return a * (_MLP_GAIN_PER_SQRT_HIDDEN * hidden**0.5)
+        if path.endswith(".bias"):
+            return 0.1 * mx.random.normal(a.shape, key=sub)
+        return a
+
+    model.update(tree_map_with_path(init, model.parameters()))
+
+
+def save_synthetic(name, path, bits=4, group_size=64, seed=0, dtype=None):
+    """Write `name` as a local mlx-lm model directory (weights, config, a synthetic tokenizer).
+
+    `mlx_lm.load(path)` / `mlx_lm.generate --model path` then work offline. Tokens are "t<id>".
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = synthetic_model(name, bits=bits, group_size=group_size, seed=seed, dtype=dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    cfg = dict(model.fastops_config)
+    save_config(cfg, path / "config.json")
+    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0",
+                            bos_token="t2").save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    return path
