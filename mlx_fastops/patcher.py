@@ -17,6 +17,7 @@ from .modules import FusedAttention, FusedBlock, FusedMLP, head_class
 from .ops.weights import PackedLinear, RopeSpec
 
 _STATE = "_mlx_fastops_state"
+_PARKED = "_mlx_fastops_parked"
 
 
 def recipes():
@@ -206,6 +207,11 @@ def patch(model, disable=()):
     recipe = _family(model)
     disabled = config.disabled(disable)
     backend = config.backend_name()
+    parked = model.__dict__.get(_PARKED)
+    if parked is not None and parked["key"] == (backend, frozenset(disabled)):
+        # Re-patch after unpatch with the same settings: reuse the fused modules (no re-stacking).
+        _swap_in(model, parked)
+        return parked["report"]
     report = PatchReport(recipe["family"], backend)
     p = _Patcher(recipe, backend, disabled, report)
     layers = model.layers
@@ -214,7 +220,9 @@ def patch(model, disable=()):
         layers[i] = p.block(f"layers.{i}", block)
     head = p.head(model)
     mx.eval(model.parameters())
-    object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head})
+    fused = list(layers)
+    object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head,
+                                       "fused": fused, "key": (backend, frozenset(disabled))})
     # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
     _warm_up(model)
     return report
@@ -240,9 +248,22 @@ def unpatch(model):
         layers[i] = block
     if state["head"] is not None:
         obj, original = state["head"]
+        state["head_fn"] = obj.__dict__.pop("_fastops_head_fn")
         obj.__class__ = original
-        del obj.__dict__["_fastops_head_fn"]
+    object.__setattr__(model, _PARKED, state)
     return True
+
+
+def _swap_in(model, state):
+    layers = model.layers
+    for i, block in enumerate(state["fused"]):
+        layers[i] = block
+    if state["head"] is not None:
+        obj, original = state["head"]
+        obj.__class__ = head_class(original)
+        object.__setattr__(obj, "_fastops_head_fn", state.pop("head_fn"))
+    model.__dict__.pop(_PARKED)
+    object.__setattr__(model, _STATE, state)
 
 
 def is_patched(model):

@@ -1,0 +1,219 @@
+"""mlx-fastops: bench | generate | verify | profile (flags named like mlx-lm's)."""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+
+def _ints(text):
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _model_args(p):
+    p.add_argument("--model", "-M", default=None,
+                   help="synthetic model name, local mlx-lm directory or Hugging Face repo "
+                        "(default: synthetic qwen3-0.6b 4-bit on a GPU, qwen3-cpu without one)")
+    p.add_argument("--bits", type=int, default=4, help="synthetic models: 4 or 8, 0 for float")
+    p.add_argument("--group-size", type=int, default=64, help="synthetic models: 32, 64 or 128")
+    p.add_argument("--disable", default="", help="comma-separated fusions to leave stock")
+
+
+def _load(args):
+    from .models import load
+
+    model, tokenizer, label, note = load(args.model, bits=args.bits or None,
+                                         group_size=args.group_size)
+    return model, tokenizer, label, note
+
+
+def cmd_bench(args):
+    from . import bench
+    from .models import on_gpu
+
+    cpu = not on_gpu() and args.model is None
+    prompts = args.prompt_tokens or ([32] if cpu else [512, 2048])
+    gen = args.generation_tokens or (16 if cpu else 128)
+    trials = args.num_trials or (3 if cpu else 5)
+    model, _, label, note = _load(args)
+    import os
+
+    if args.disable:
+        os.environ["MLX_FASTOPS_DISABLE"] = args.disable
+    tests = [("pp", p) for p in prompts if p > 0] + ([("tg", gen)] if gen > 0 else [])
+    result = bench.run(model, label, tests, trials=trials, progress=not args.quiet)
+    result["note"] = note
+    print(bench.to_markdown(result, note))
+    print()
+    print(_report_of(model))
+    if args.json:
+        bench.save_json(result, args.json)
+    if args.plot:
+        bench.plot(result, args.plot)
+    return 0
+
+
+def _report_of(model):
+    from . import patch
+
+    return str(patch(model))
+
+
+def _prompt_tokens(tokenizer, model, text):
+    if tokenizer is not None:
+        return mx.array(tokenizer.encode(text))
+    # Synthetic models have no tokenizer: words "t<id>" are token ids, other words hash into the vocab.
+    vocab = model.args.vocab_size
+    ids = []
+    for word in text.split():
+        ids.append(int(word[1:]) % vocab if word[:1] == "t" and word[1:].isdigit()
+                   else sum(map(ord, word)) * 2654435761 % vocab)
+    return mx.array(ids or [0])
+
+
+def cmd_generate(args):
+    from mlx_lm.generate import generate_step
+
+    from . import patch
+
+    model, tokenizer, label, _ = _load(args)
+    print(patch(model, disable=[d for d in args.disable.split(",") if d]), file=sys.stderr)
+    if tokenizer is not None:
+        import mlx_lm
+
+        mlx_lm.generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens, verbose=True)
+        return 0
+    import time
+
+    prompt = _prompt_tokens(None, model, args.prompt)
+    t0 = time.perf_counter()
+    out = []
+    for (tok, _), _ in zip(generate_step(prompt, model, max_tokens=args.max_tokens), range(args.max_tokens)):
+        out.append(tok)
+        print(f"t{tok}", end=" ", flush=True)
+    dt = time.perf_counter() - t0
+    print(f"\n==========\nModel: {label}\nGeneration: {len(out)} tokens, {len(out) / dt:.2f} tokens-per-sec "
+          f"(prefill included)\nPeak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    return 0
+
+
+def cmd_verify(args):
+    from mlx_lm.generate import generate_step
+
+    from . import patch, unpatch
+
+    model, tokenizer, label, _ = _load(args)
+    vocab = model.args.vocab_size
+    prompt = (_prompt_tokens(tokenizer, model, args.prompt) if args.prompt
+              else mx.random.randint(0, vocab, (args.prompt_len,), key=mx.random.key(args.seed)))
+
+    def greedy():
+        toks, margins, last = [], [], None
+        for (tok, logprobs), _ in zip(generate_step(prompt, model, max_tokens=args.num_tokens),
+                                      range(args.num_tokens)):
+            toks.append(tok)
+            top2 = mx.sort(logprobs)[-2:]
+            margins.append((top2[1] - top2[0]).item())
+            last = logprobs
+        return toks, margins, last
+
+    unpatch(model)
+    stock, margins, stock_last = greedy()
+    report = patch(model, disable=[d for d in args.disable.split(",") if d])
+    fused, _, fused_last = greedy()
+    print(report)
+    diff = mx.abs(stock_last.astype(mx.float32) - fused_last.astype(mx.float32))
+    rel = (mx.max(diff) / mx.maximum(mx.max(mx.abs(stock_last.astype(mx.float32))), 1e-9)).item()
+    print(f"model: {label}; prompt {prompt.size} tokens; {args.num_tokens} greedy tokens")
+    print(f"stock top-1/top-2 margin: median {statistics.median(margins):.3f}, min {min(margins):.3f}; "
+          f"distinct tokens: {len(set(stock))}")
+    print(f"last-token log-probs: max abs diff {mx.max(diff).item():.3e}, relative {rel:.3e}")
+    first = next((i for i, (a, b) in enumerate(zip(stock, fused)) if a != b), None)
+    if first is None:
+        print(f"OK: {len(stock)}/{len(stock)} greedy tokens identical")
+        return 0
+    print(f"DIVERGED at token {first}: stock {stock[first]} vs patched {fused[first]} "
+          f"(stock margin there {margins[first]:.3f})")
+    print(f"stock:   {stock[max(0, first - 4): first + 4]}\npatched: {fused[max(0, first - 4): first + 4]}")
+    return 1
+
+
+def cmd_profile(args):
+    from . import patch, profiler
+
+    model, _, label, _ = _load(args)
+    if not args.stock:
+        print(patch(model, disable=[d for d in args.disable.split(",") if d]))
+    if args.capture:
+        try:
+            profiler.capture(model, args.capture)
+            print(f"wrote {args.capture}")
+        except RuntimeError as e:
+            print(f"--capture: {e}", file=sys.stderr)
+            return 2
+    result = profiler.profile(model, prompt_len=args.prompt_tokens, tokens=args.num_tokens,
+                              warmup=args.warmup)
+    print(f"model: {label} ({'stock' if args.stock else 'patched'}), device {mx.default_device()}")
+    print(profiler.to_markdown(result))
+    if args.trace:
+        profiler.write_trace(result, args.trace)
+        print(f"wrote {args.trace}")
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="mlx-fastops", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="stock vs patched tokens/s, alternating in one process")
+    _model_args(b)
+    b.add_argument("-p", "--prompt-tokens", type=_ints, default=None, help="e.g. 512,2048")
+    b.add_argument("-g", "--generation-tokens", type=int, default=None)
+    b.add_argument("-n", "--num-trials", type=int, default=None)
+    b.add_argument("--json", type=Path, help="write the results as JSON")
+    b.add_argument("--plot", type=Path, help="write a stock vs patched bar chart (PNG)")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    b.set_defaults(func=cmd_bench)
+
+    g = sub.add_parser("generate", help="generate text with the patched model")
+    _model_args(g)
+    g.add_argument("--prompt", "-p", default="hello")
+    g.add_argument("--max-tokens", "-m", type=int, default=64)
+    g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("verify", help="greedy tokens and logits, stock vs patched")
+    _model_args(v)
+    v.add_argument("-n", "--num-tokens", type=int, default=32)
+    v.add_argument("--prompt", default=None, help="text prompt (default: random tokens)")
+    v.add_argument("--prompt-len", type=int, default=16)
+    v.add_argument("--seed", type=int, default=0)
+    v.set_defaults(func=cmd_verify)
+
+    f = sub.add_parser("profile", help="per-op decode time table")
+    _model_args(f)
+    f.add_argument("-n", "--num-tokens", type=int, default=16)
+    f.add_argument("--prompt-tokens", type=int, default=32)
+    f.add_argument("--warmup", type=int, default=4, help="decode steps not recorded")
+    f.add_argument("--stock", action="store_true", help="profile the unpatched model")
+    f.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
+    f.add_argument("--capture", type=Path, help="Metal GPU capture (FILE.gputrace)")
+    f.set_defaults(func=cmd_profile)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"mlx-fastops {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Per-op decode profile: every op of a decode step evaluated on its own and timed.
+
+Timing an op synchronously (inputs ready, run it, `mx.eval` its outputs) measures its launch,
+host and device time together, as step 1 of the MNN write-up does. The first `warmup` tokens are
+not recorded. The unsynchronised step time and the host time to build one step's graph are
+reported beside the table, so the op sum can be compared with the real step.
+"""
+
+import json
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as cache_mod
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import modules as fused_modules
+
+# Stock leaf modules timed at class level (their __call__ is looked up on the type).
+_LEAF_CLASSES = (nn.Linear, nn.QuantizedLinear, nn.RMSNorm, nn.RoPE, nn.Embedding,
+                 nn.QuantizedEmbedding)
+
+
+class Profile:
+    def __init__(self):
+        self.times = defaultdict(list)  # op -> seconds per call, over recorded steps
+        self.events = []  # (op, start, duration) for the trace
+        self.recording = False
+        self.t0 = time.perf_counter()
+
+    def timed(self, name, fn):
+        def wrapper(*args, **kwargs):
+            if not self.recording:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            mx.eval(out)
+            end = time.perf_counter()
+            self.times[name].append(end - start)
+            self.events.append((name, start - self.t0, end - start))
+            return out
+
+        return wrapper
+
+
+def _leaf_name(module_names, obj, fallback):
+    return module_names.get(id(obj), fallback)
+
+
+@contextmanager
+def instrument(model, prof):
+    """Wrap the model's ops with timers for the duration of the block, then restore everything."""
+    restore = []
+    names = {}
+    for path, mod in model.named_modules():
+        names[id(mod)] = path.split(".")[-1] or type(mod).__name__
+        for attr, value in list(vars(mod).items()):
+            if attr.endswith("_fn") and callable(value):
+                op = attr[: -len("_fn")]
+                op = {"add_norm": "rms_norm_residual", "norm_rope": "qk_norm_rope",
+                      "qkv": "qkv_proj", "gate_up": "gate_up_silu", "_fastops_head": "lm_head",
+                      "decode": "decode_attention", "prefill": "flash_attention"}.get(op, op)
+                object.__setattr__(mod, attr, prof.timed(op, value))
+                restore.append((mod, attr, value))
+    for cls in _LEAF_CLASSES:
+        for meth in ("__call__", "as_linear"):
+            if meth in vars(cls):
+                orig = vars(cls)[meth]
+
+                def make(orig=orig, meth=meth):
+                    def call(self, *a, **k):
+                        name = _leaf_name(names, self, type(self).__name__)
+                        if meth == "as_linear":
+                            name = "lm_head"
+                        return prof.timed(name, lambda *a2, **k2: orig(self, *a2, **k2))(*a, **k)
+                    return call
+
+                setattr(cls, meth, make())
+                restore.append((cls, meth, orig))
+    # Attention cores and cache writes are functions/methods, not modules.
+    for mod, attr, name in _function_targets():
+        orig = getattr(mod, attr)
+        setattr(mod, attr, prof.timed(name, orig))
+        restore.append((mod, attr, orig))
+    try:
+        yield prof
+    finally:
+        for owner, attr, value in reversed(restore):
+            if isinstance(owner, type) or not isinstance(owner, nn.Module):
+                setattr(owner, attr, value)
+            else:
+                object.__setattr__(owner, attr, value)
+
+
+def _function_targets():
+    import importlib
+
+    out = [(fused_modules, "stock_sdpa", "sdpa")]
+    for family in ("qwen3", "llama", "qwen2"):
+        m = importlib.import_module(f"mlx_lm.models.{family}")
+        out.append((m, "scaled_dot_product_attention", "sdpa"))
+        if hasattr(m, "swiglu"):
+            out.append((m, "swiglu", "swiglu"))
+    out.append((cache_mod.KVCache, "update_and_fetch", "kv_cache_update"))
+    return out
+
+
+def profile(model, prompt_len=32, tokens=16, warmup=4):
+    """Decode `tokens` steps after `prompt_len` random prompt tokens; returns a result dict."""
+    vocab = model.args.vocab_size
+    prompt = mx.random.randint(0, vocab, (1, prompt_len), key=mx.random.key(0))
+    cache = make_prompt_cache(model)
+    logits = model(prompt, cache=cache)
+    tok = mx.argmax(logits[:, -1:], axis=-1)
+    mx.eval(tok)
+    # Unsynchronised reference: step wall time and host graph-building time.
+    build, wall = [], []
+    for i in range(warmup + tokens):
+        t0 = time.perf_counter()
+        logits = model(tok, cache=cache)
+        t1 = time.perf_counter()
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(tok)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            build.append(t1 - t0)
+            wall.append(t2 - t0)
+    prof = Profile()
+    with instrument(model, prof):
+        for i in range(warmup + tokens):
+            prof.recording = i >= warmup
+            logits = model(tok, cache=cache)
+            tok = mx.argmax(logits[:, -1:], axis=-1)
+            mx.eval(tok)
+    rows = []
+    total = sum(sum(v) for v in prof.times.values()) / tokens
+    for name, ts in prof.times.items():
+        per_step = sum(ts) / tokens
+        rows.append({"op": name, "calls_per_step": len(ts) / tokens, "ms_per_step": per_step * 1e3,
+                     "share": per_step / total if total else 0.0})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return {"rows": rows, "ops_ms_per_step": total * 1e3,
+            "step_ms": 1e3 * sorted(wall)[len(wall) // 2],
+            "host_build_ms": 1e3 * sorted(build)[len(build) // 2],
+            "tokens": tokens, "warmup": warmup, "events": prof.events}
+
+
+def to_markdown(result):
+    lines = ["| op | calls/step | ms/step | share |", "|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['op']} | {r['calls_per_step']:.0f} | {r['ms_per_step']:.3f} | "
+                     f"{100 * r['share']:.1f}% |")
+    lines.append(f"| **total (ops evaluated one by one)** | | {result['ops_ms_per_step']:.3f} | 100% |")
+    lines.append("")
+    lines.append(f"Decode step, unsynchronised: {result['step_ms']:.3f} ms (median of {result['tokens']} "
+                 f"tokens after {result['warmup']} warm-up); host time to build its graph: "
+                 f"{result['host_build_ms']:.3f} ms.")
+    return "\n".join(lines)
+
+
+def write_trace(result, path):
+    """Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev)."""
+    events = [{"name": n, "ph": "X", "ts": s * 1e6, "dur": d * 1e6, "pid": 0, "tid": 0}
+              for n, s, d in result["events"]]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def capture(model, path, tokens=4):
+    """Metal GPU capture of a few decode steps (Xcode .gputrace). Raises RuntimeError elsewhere."""
+    if not mx.metal.is_available():
+        raise RuntimeError("--capture records a Metal GPU trace (mx.metal.start_capture); this machine "
+                           f"has no Metal device (MLX default device: {mx.default_device()}). "
+                           "On CUDA use Nsight Systems: nsys profile mlx-fastops profile ...")
+    cache = make_prompt_cache(model)
+    tok = mx.array([[1]])
+    mx.eval(model(tok, cache=cache))
+    mx.metal.start_capture(str(path))
+    try:
+        for _ in range(tokens):
+            mx.eval(model(tok, cache=cache))
+    finally:
+        mx.metal.stop_capture()
