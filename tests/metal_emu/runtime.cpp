@@ -22,6 +22,8 @@
 
 #include "runtime_api.h"
 
+extern "C" void mtl_emu_lane_entry(void** bufs);  // generated per kernel (build.py)
+
 namespace {
 
 enum LaneState { READY = 0, BLOCK_TG = 1, BLOCK_SG = 2, DONE = 3 };
@@ -93,7 +95,6 @@ char g_err[4096];
 char g_sigstack[64 * 1024];
 volatile sig_atomic_t g_in_launch = 0;
 
-void (*g_entry)(void**) = nullptr;
 
 void vfail(const char* check, const char* fmt, va_list ap) {
   int n = snprintf(g_err, sizeof g_err, "%s: ", check);
@@ -209,7 +210,7 @@ void on_signal(int sig, siginfo_t* si, void*) {
 }
 
 void lane_main() {
-  g_entry(g_bufs);
+  mtl_emu_lane_entry(g_bufs);
   g_cur->state = DONE;
   // returning switches to uc_link (the scheduler)
 }
@@ -458,6 +459,7 @@ void fail_check(const char* check, const char* fmt, ...) {
   va_start(ap, fmt);
   vfail(check, fmt, ap);
   va_end(ap);
+  __builtin_unreachable();
 }
 
 void barrier_tg(const char* file, int line) {
@@ -526,8 +528,6 @@ int new_slot() {
 }  // namespace mtl_rt
 
 extern "C" {
-
-void mtl_emu_set_entry(void (*entry)(void**)) { g_entry = entry; }
 
 // bufs: host copies (in/out); sizes in bytes; names; is_output flags. grid/tg already clamped.
 // group_order: linear group ids in the order to run them. lane_mode: 0 forward, 1 reverse, 2 shuffle.
