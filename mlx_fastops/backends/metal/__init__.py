@@ -3,3 +3,6 @@
 Each op function has the reference signature (mlx_fastops.backends.reference); an optional
 `unsupported_<op>(**info)` returns why a static shape class must fall back to the reference.
 """
+
+from .gemv import gate_up_silu, lm_head, qkv_proj  # noqa: E402,F401
+from .gemv import unsupported_gate_up_silu, unsupported_lm_head, unsupported_qkv_proj  # noqa: E402,F401
