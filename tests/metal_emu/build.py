@@ -13,7 +13,7 @@ from .errors import CompileError, KernelError
 
 HERE = Path(__file__).resolve().parent
 CXX = os.environ.get("METAL_EMU_CXX", "g++")
-EMU_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-fno-strict-aliasing", "-fsingle-precision-constant",
+EMU_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-fno-gnu-unique", "-fno-strict-aliasing", "-fsingle-precision-constant",
              "-U_FORTIFY_SOURCE", "-w"]
 _lock = threading.Lock()
 
