@@ -52,7 +52,6 @@ int c = int(threadgroup_position_in_grid.x);
 int kvh = int(threadgroup_position_in_grid.y);
 int b = int(threadgroup_position_in_grid.z);
 int HQ = q_shape[1];
-int n_chunks = int(threadgroups_per_grid.x);
 
 threadgroup float tg_o[NSG * G * D];
 threadgroup float tg_m[NSG * G];
@@ -141,6 +140,7 @@ for (int idx = int(tid); idx < G * D; idx += NSG * 32) {
 
 // ==== decode_tail_split ====
   // o_part [B, H, n_chunks, D], m_part / l_part [B, H, n_chunks], all float.
+  int n_chunks = int(threadgroups_per_grid.x);
   int64_t prow = (int64_t(b) * HQ + hq) * n_chunks + c;
   o_part[prow * D + d] = o_sum;
   if (d == 0) {
