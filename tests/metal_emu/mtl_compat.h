@@ -237,9 +237,12 @@ struct vec : vec_storage<T, N> {
   explicit vec(const vec<U, N>& o) {
     for (int i = 0; i < N; ++i) this->v[i] = T(o.v[i]);
   }
-  template <class U, int NS, unsigned C>
-  vec(const swz<U, NS, N, C>& s) {
-    static_assert(std::is_same<U, T>::value, "metal_emu: implicit vector conversion between element types");
+  template <int NS, unsigned C>
+  vec(const swz<T, NS, N, C>& s) {
+    for (int i = 0; i < N; ++i) this->v[i] = s[i];
+  }
+  template <class U, int NS, unsigned C, class = typename std::enable_if<!std::is_same<U, T>::value>::type>
+  explicit vec(const swz<U, NS, N, C>& s) {
     for (int i = 0; i < N; ++i) this->v[i] = T(s[i]);
   }
   // flattening constructor: float4(v.xy, 0, 1), float3(a, b, c), ...

@@ -142,7 +142,15 @@ void ensure_stacks() {
     g_stacks = nullptr;
     fail("internal", "cannot allocate lane stacks");
   }
-  for (int i = 0; i < kMaxLanes; ++i) mprotect(g_stacks + i * g_stack_stride, ps, PROT_NONE);
+  // guard pages are added lazily (guard_stacks): 1024 up front split the mapping into 2049 VMAs per
+  // loaded kernel .so, and ~32 kernels exhausted vm.max_map_count (65530) in one process.
+}
+
+int g_guarded = 0;  // lane stacks [0, g_guarded) have their guard page
+
+void guard_stacks(int n) {
+  for (; g_guarded < n && g_guarded < kMaxLanes; ++g_guarded)
+    mprotect(g_stacks + g_guarded * g_stack_stride, page_size(), PROT_NONE);
 }
 
 const char* describe_addr(char* a, char* out, size_t outlen) {
@@ -375,6 +383,7 @@ void run_group(const unsigned grid[3], const unsigned tg[3], const unsigned gpos
   int n = (int)(sz[0] * sz[1] * sz[2]);
   int dn = (int)(tg[0] * tg[1] * tg[2]);
   g_nlanes = n;
+  guard_stacks(n);
   g_tg_gen++;
   g_tg_bytes = 0;
   for (int s = 0; s < (n + kSimdWidth - 1) / kSimdWidth; ++s) {

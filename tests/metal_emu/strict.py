@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from . import build
-from .errors import LintError, StrictCompileError
+from .errors import LintError, StrictCompileError, ThreadgroupMemoryLimit
 
 STRICT_FLAGS = ["-std=c++14", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-Wdouble-promotion",
                 "-Wno-unused-parameter", "-Wno-attributes", "-Wno-unknown-pragmas"]
@@ -80,7 +80,7 @@ def _functions(src):
 
 
 def lint(header, body, kernel=None):
-    """Raises LintError for constructs Metal rejects; returns the list of findings otherwise empty."""
+    """Raises LintError for constructs Metal rejects (ThreadgroupMemoryLimit for static arrays over 32 KiB)."""
     problems = []
     for part, text in (("header", header), ("source", body)):
         code = strip_comments_and_strings(text)
@@ -100,7 +100,9 @@ def lint(header, body, kernel=None):
                 size *= int(d)
             total += size
         if total > TG_LIMIT:
-            problems.append(f"{part}: threadgroup arrays of {total} bytes exceed the 32 KiB (32768 bytes) limit")
+            raise ThreadgroupMemoryLimit(
+                f"(static check of the {part}) threadgroup arrays of {total} bytes exceed the 32 KiB "
+                "(32768 bytes) Apple GPUs allow per threadgroup", kernel=kernel)
     if problems:
         raise LintError("Metal does not allow:\n  " + "\n  ".join(problems), kernel=kernel)
 
