@@ -179,7 +179,7 @@ def build(mlx_src, kernel):
     """Compiles (or finds in the cache) the emulation .so for this source; returns (ctypes lib, params)."""
     label = f"kernel:{kernel}"
     tu, params = translation_unit(mlx_src, label)
-    key = _digest(tu, _support_digest(), " ".join(EMU_FLAGS))
+    key = _digest(tu, _support_digest(), " ".join(EMU_FLAGS), "-Wl,-Bsymbolic")
     with _lock:
         if key in _loaded:
             return _loaded[key], params
@@ -192,7 +192,7 @@ def build(mlx_src, kernel):
                 cpp.write_text(tu)
                 out = Path(td) / "k.so"
                 _run([CXX, *EMU_FLAGS, "-shared", "-I", str(HERE), "-I", str(HERE / "include"), str(cpp),
-                      str(obj), "-o", str(out)], "compiling the kernel for the emulator", kernel)
+                      str(obj), "-Wl,-Bsymbolic", "-o", str(out)], "compiling the kernel for the emulator", kernel)
                 (d / f"k-{key}.cpp").write_text(tu)  # kept next to the .so for debugging
                 os.replace(out, so)
         lib = ctypes.CDLL(str(so))
