@@ -428,6 +428,9 @@ uint i = thread_position_in_grid.x;
 float unused = 1.0f;
 out[i] = x[i] * 0.5;  // float promoted to double
 """), _call([_x(32)], 32, (32, 1, 1), (32, 1, 1)), (metal_emu.StrictCompileError,)),
+    Bad("float64-input",
+        K("f64", ["x"], ["out"], "out[thread_position_in_grid.x] = float(x[thread_position_in_grid.x]);"),
+        _call([mx.arange(32, dtype=mx.float64, stream=mx.cpu)], 32, (32, 1, 1), (32, 1, 1)), (metal_emu.CallError,)),
     Bad("threadgroup-too-large",
         K("bigtgsize", ["x"], ["out"], "out[thread_position_in_grid.x] = x[thread_position_in_grid.x];"),
         _call([_x(4096)], 4096, (4096, 1, 1), (2048, 1, 1)), (metal_emu.ThreadgroupSize,)),

@@ -1,5 +1,7 @@
 """Errors raised by metal_emu. Every message starts with `[metal_emu:<check>]`."""
 
+import re
+
 
 class KernelError(Exception):
     """A problem metal_emu found in a kernel (or its call). `check` names the check that found it."""
@@ -76,7 +78,9 @@ class OrderDependence(KernelError):
     check = "order-dependence"
 
 
-class Timeout(KernelError):
+class Timeout(Deadlock):
+    """A dispatch that never finishes: typically a spin-wait on memory another threadgroup writes."""
+
     check = "timeout"
 
 
@@ -109,9 +113,20 @@ _BY_CHECK = {
 }
 
 
-def from_runtime(message, kernel):
-    """Turns the runtime's "check: details" message into the matching KernelError subclass."""
+def from_runtime(message, kernel, source=None):
+    """Turns the runtime's "check: details" message into the matching KernelError subclass; call sites
+    `kernel:<name>:<line>` are followed by the text of that line of the generated source."""
     check, _, details = message.partition(": ")
+    if source is not None:
+        lines = source.splitlines()
+        tag = f"kernel:{kernel}:"
+
+        def show(m):
+            n = int(m.group(1))
+            text = lines[n - 1].strip() if 0 < n <= len(lines) else ""
+            return f"{m.group(0)} `{text}`" if text else m.group(0)
+
+        details = re.sub(re.escape(tag) + r"(\d+)", show, details)
     cls = _BY_CHECK.get(check)
     if cls is None:
         return RuntimeFault(message, check=check or "fault", kernel=kernel)

@@ -87,8 +87,10 @@ def _host_input(a, ensure_row_contiguous):
 class _Launch:
     """Everything for one call, runnable under several schedules."""
 
-    def __init__(self, kernel, lib, params, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value):
+    def __init__(self, kernel, lib, params, src, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 init_value):
         self.k = kernel
+        self.source = src
         self.lib = lib
         self.output_shapes = [tuple(int(d) for d in s) for s in output_shapes]
         self.output_dtypes = list(output_dtypes)
@@ -147,7 +149,7 @@ class _Launch:
             ctypes.c_int(tg_poison), ctypes.c_int(guard), ctypes.c_int(int(config.strict_collectives)),
             ctypes.c_int(config.timeout), err, ctypes.c_int(len(err)))
         if rc != 0:
-            raise from_runtime(err.value.decode(errors="replace"), self.k.name)
+            raise from_runtime(err.value.decode(errors="replace"), self.k.name, self.source)
         return outs
 
 
@@ -229,6 +231,10 @@ class EmuKernel:
             if not isinstance(v, (bool, int, mx.Dtype)):
                 raise CallError("template argument values must be Dtype, int or bool", kernel=self.name)
         inputs = [_as_array(x) for x in inputs]
+        for d in [a.dtype for a in inputs] + list(output_dtypes):
+            if d == mx.float64:
+                raise CallError("float64 arrays cannot be passed to Metal kernels (Metal has no double)",
+                                kernel=self.name)
         mx.eval(inputs)
         src = self.mlx_source(inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value)
         if verbose:
@@ -236,7 +242,7 @@ class EmuKernel:
         if config.strict:
             check_strict(src, self.header, self.source, kernel=self.name)
         lib, params = build.build(src, self.name)
-        launch = _Launch(self, lib, params, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value)
+        launch = _Launch(self, lib, params, src, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value)
         a = launch.run()
         if config.schedules != "min":
             self._check_schedules(launch, a)
