@@ -9,6 +9,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from . import gen_swizzles
 from .errors import CompileError, KernelError
 
 HERE = Path(__file__).resolve().parent
@@ -58,7 +59,7 @@ def _digest(*parts):
 
 
 def _support_digest():
-    names = ["mtl_compat.h", "mlx_preamble.h", "runtime_api.h", "swizzles.inc", "runtime.cpp"]
+    names = ["mtl_compat.h", "mlx_preamble.h", "runtime_api.h", "swizzles.inc", "runtime.cpp", "gen_swizzles.py"]
     return _digest(*[(HERE / n).read_bytes() for n in names], CXX)
 
 
@@ -140,12 +141,25 @@ def launch_wrapper(kname, targs, params):
     )
 
 
+_SWIZZLE_USE = re.compile(r"\.\s*([xyzw]{2,4}|[rgba]{2,4})\b")
+
+
+def prelude(src):
+    """The includes of a kernel translation unit, with only the vector swizzles `src` names."""
+    used = set(_SWIZZLE_USE.findall(src))
+    lines = []
+    for n in (2, 3, 4):
+        members = [m for m in gen_swizzles.members(n) if m.rstrip(";").split()[-1] in used]
+        lines.append(f"#define MTL_SWIZZLES_{n} {' '.join(members)}")
+    return "\n".join(lines) + '\n#include "mtl_compat.h"\n#include "mlx_preamble.h"\n'
+
+
 def translation_unit(mlx_src, label):
     kname, targs, params = parse_signature(mlx_src)
     body = rewrite_threadgroup(mlx_src)
     tu = (
-        '#include "mtl_compat.h"\n#include "mlx_preamble.h"\n'
-        f'#line 1 "{label}"\n{body}\n'
+        prelude(mlx_src)
+        + f'#line 1 "{label}"\n{body}\n'
         '#line 1 "metal_emu_launch_wrapper"\n' + launch_wrapper(kname, targs, params)
     )
     return tu, params

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import build, source as msource
-from .errors import (CallError, OrderDependence, UninitializedThreadgroupRead, UnwrittenOutput,
+from .errors import (CallError, KernelError, OrderDependence, UninitializedThreadgroupRead, UnwrittenOutput,
                      from_runtime)
 
 
@@ -215,7 +215,7 @@ class EmuKernel:
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None,
                  verbose=False, stream=None):
-        from .strict import check_strict
+        from .strict import start_strict
 
         if len(inputs) != len(self.input_names):
             raise CallError(f"[metal_kernel] Expected `inputs` to have size {len(self.input_names)} but got size "
@@ -239,9 +239,15 @@ class EmuKernel:
         src = self.mlx_source(inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value)
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{src}\n```", file=sys.stdout)
-        if config.strict:
-            check_strict(src, self.header, self.source, kernel=self.name)
-        lib, params = build.build(src, self.name)
+        pending = start_strict(src, self.header, self.source, kernel=self.name) if config.strict else None
+        try:
+            lib, params = build.build(src, self.name)
+        except KernelError:
+            if pending is not None:
+                pending.wait()  # the strict tier's diagnosis first, if it has one
+            raise
+        if pending is not None:
+            pending.wait()
         launch = _Launch(self, lib, params, src, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value)
         a = launch.run()
         if config.schedules != "min":

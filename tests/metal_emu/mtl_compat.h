@@ -170,7 +170,11 @@ struct swz {
   swz& operator/=(const X& o) { return *this = vec<T, M>(*this) / o; }
 };
 
+// The swizzle members of vec<T, N>. metal_emu defines MTL_SWIZZLES_N itself with only the swizzles a
+// kernel names (instantiating all ~700 per vector type dominates compile time); else all of them.
+#ifndef MTL_SWIZZLES_4
 #include "swizzles.inc"
+#endif
 
 template <class T, int N>
 struct vec_storage;

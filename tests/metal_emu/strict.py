@@ -111,29 +111,50 @@ _done = set()
 _lock = threading.Lock()
 
 
-def check_strict(mlx_src, header, body, kernel=None):
-    """Lint + strict compile of one generated instantiation (cached by content)."""
-    key = build._digest(mlx_src, build._support_digest(), " ".join(STRICT_FLAGS))
-    if key in _done:
-        return
-    marker = build.cache_dir() / f"strict-{key}.ok"
-    if not marker.exists():
-        lint(header, body, kernel)
-        tu = ('#include "mtl_compat.h"\n#include "mlx_preamble.h"\n'
-              f'#line 1 "kernel:{kernel}"\n{mlx_src}\n')
-        with tempfile.TemporaryDirectory(dir=build.cache_dir()) as td:
-            cpp = Path(td) / "strict.cpp"
-            cpp.write_text(tu)
-            r = subprocess.run([build.CXX, *STRICT_FLAGS, "-I", str(build.HERE), "-I",
-                                str(build.HERE / "include"), str(cpp)], capture_output=True, text=True)
-        if r.returncode != 0:
-            msg = r.stderr.strip()
+class _Pending:
+    """A strict compile running in the background (overlaps with the emulation build)."""
+
+    def __init__(self, proc, tmpdir, marker, key, kernel):
+        self.proc, self.tmpdir, self.marker, self.key, self.kernel = proc, tmpdir, marker, key, kernel
+
+    def wait(self):
+        _, err = self.proc.communicate()
+        self.tmpdir.cleanup()
+        if self.proc.returncode != 0:
             raise StrictCompileError(
                 "the generated source does not compile as C++14 with warnings as errors (flags: "
-                f"{' '.join(STRICT_FLAGS)}):\n{msg[:6000]}", kernel=kernel)
-        marker.write_text("ok\n")
-    with _lock:
-        _done.add(key)
+                f"{' '.join(STRICT_FLAGS)}):\n{err.strip()[:6000]}", kernel=self.kernel)
+        self.marker.write_text("ok\n")
+        with _lock:
+            _done.add(self.key)
+
+
+def start_strict(mlx_src, header, body, kernel=None):
+    """Lints now; starts the strict compile of one generated instantiation unless already passed (cached
+    by content). Returns a _Pending to wait() on, or None."""
+    key = build._digest(mlx_src, build._support_digest(), " ".join(STRICT_FLAGS))
+    if key in _done:
+        return None
+    marker = build.cache_dir() / f"strict-{key}.ok"
+    if marker.exists():
+        with _lock:
+            _done.add(key)
+        return None
+    lint(header, body, kernel)
+    tu = build.prelude(mlx_src) + f'#line 1 "kernel:{kernel}"\n{mlx_src}\n'
+    td = tempfile.TemporaryDirectory(dir=build.cache_dir())
+    cpp = Path(td.name) / "strict.cpp"
+    cpp.write_text(tu)
+    proc = subprocess.Popen([build.CXX, *STRICT_FLAGS, "-I", str(build.HERE), "-I", str(build.HERE / "include"),
+                             str(cpp)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return _Pending(proc, td, marker, key, kernel)
+
+
+def check_strict(mlx_src, header, body, kernel=None):
+    """Lint + strict compile of one generated instantiation (cached by content)."""
+    pending = start_strict(mlx_src, header, body, kernel)
+    if pending is not None:
+        pending.wait()
 
 
 def compile_strict(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
