@@ -219,3 +219,40 @@ def test_unsupported_shapes_are_reported():
     assert A.unsupported_flash_attention(head_dim=256, gqa=8, dtype=mx.bfloat16, mask="causal") is None
     # Step 10: head_dim comes from the weights/config (Qwen3-0.6B: 128, not hidden/heads = 64)
     assert ops.select("decode_attention", "metal", head_dim=128, gqa=2)[1] == "metal"
+
+
+# ---------------------------------------------------------------------------------------------
+# strict compile tier: every instantiation the wrappers can launch (head_dim x GQA x dtype x path),
+# compiled as C++14 with warnings as errors plus the Metal lint, without running them.
+
+
+def strict_factory(emu):
+    """A metal_kernel factory whose kernels strict-compile each call's instantiation and return zeros."""
+
+    def factory(**spec):
+        def call(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None, **_):
+            emu.compile_strict(**spec, inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                               template=template, grid=grid, threadgroup=threadgroup, init_value=init_value)
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    return factory
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+@pytest.mark.parametrize("D", A.HEAD_DIMS)
+def test_strict_compile_tier(D, dtype):
+    emu = pytest.importorskip("metal_emu")
+    from mlx_fastops import kernels
+
+    with kernels.use_metal_factory(strict_factory(emu)):
+        for G in (1, 2, 3, 4, 8):
+            for length in (5, 1000):  # one chunk; split + reduce
+                q = mx.zeros((1, 2 * G, 1, D), dtype)
+                kv = mx.zeros((1, 2, 1024, D), dtype)
+                A.decode_attention(q, kv, kv, length, 0.1)
+        for causal in (None, "causal"):
+            q = mx.zeros((1, 2, 20, D), dtype)
+            kv = mx.zeros((1, 1, 20, D), dtype)
+            A.flash_attention(q, kv, kv, 0.1, causal)

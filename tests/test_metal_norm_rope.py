@@ -147,3 +147,26 @@ def test_unsupported_rope_is_reported():
     # Step 10: head_dim is taken from the norm weights (Qwen3-0.6B: 128 != hidden 1024 / 16 heads)
     assert ops.select("qk_norm_rope", "metal", head_dim=128, rope=RopeSpec(128, False, 1e6, 1.0),
                       norm=True)[1] == "metal"
+
+
+# ---------------------------------------------------------------------------------------------
+# strict compile tier: every template combination the wrappers launch, compiled as C++14 with
+# warnings as errors plus the Metal lint, without running.
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+def test_strict_compile_tier(dtype):
+    emu = pytest.importorskip("metal_emu")
+    from mlx_fastops import kernels
+    from test_metal_attention import strict_factory
+
+    with kernels.use_metal_factory(strict_factory(emu)):
+        for hidden in (96, 1024, 2560, 4096, 8192):
+            x = mx.zeros((2, hidden), dtype)
+            NR.rms_norm_residual(x, x, mx.zeros((hidden,), dtype), 1e-6)
+        for D in NR.HEAD_DIMS:
+            for trad in (False, True):
+                for norm in (False, True):
+                    q = mx.zeros((1, 2, 2, D), dtype)
+                    w = mx.ones((D,), dtype) if norm else None
+                    NR.qk_norm_rope(q, q, w, w, 1e-6, RopeSpec(D, trad, 1e4, 1.0), 3)
