@@ -13,6 +13,7 @@ negative scales. The strict compile tier covers every instantiation the wrappers
 
 import itertools
 import math
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -291,13 +292,49 @@ def _strict_inputs(kind, dtype, bits, mr):
             mx.zeros((n, k // 64), dtype), mx.zeros((8,), dtype), mx.zeros((9,), mx.int32)]
 
 
-@pytest.mark.parametrize("inst", G.instantiations(), ids=lambda t: "-".join(str(v).split(".")[-1] for v in t))
-def test_strict_compile(inst):
-    emu = pytest.importorskip("metal_emu")
+def _strict_spec(inst):
     kind, var, dtype, bits, mr = inst
     header, bodies = G.sections()
-    emu.compile_strict(
-        name=f"fastops_{G.kernel_name(kind, var)}", input_names=G.INPUTS, output_names=G._OUTPUTS[kind],
-        source=bodies[G.kernel_name(kind, var)], header=header,
-        inputs=_strict_inputs(kind, dtype, bits, mr), output_dtypes=[dtype] * len(G._OUTPUTS[kind]),
-        template=[("T", dtype), ("BITS", bits), ("MR", mr)], grid=(64, 1, 1), threadgroup=(64, 1, 1))
+    name = G.kernel_name(kind, var)
+    spec = dict(name=f"fastops_{name}", input_names=G.INPUTS, output_names=G._OUTPUTS[kind],
+                source=bodies[name], header=header)
+    call = dict(inputs=_strict_inputs(kind, dtype, bits, mr), output_dtypes=[dtype] * len(G._OUTPUTS[kind]),
+                template=[("T", dtype), ("BITS", bits), ("MR", mr)], grid=(64, 1, 1), threadgroup=(64, 1, 1))
+    return spec, call
+
+
+@pytest.fixture(scope="module")
+def strict_warm():
+    """Compile every instantiation once, on all cores (g++ runs in subprocesses), before the
+    per-instantiation tests; they then hit metal_emu's strict cache. A failure here is ignored: the
+    test of that instantiation compiles it again and reports the error."""
+    emu = pytest.importorskip("metal_emu")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from metal_emu.source import mlx_source
+    from metal_emu.strict import check_strict
+
+    jobs = []
+    for inst in G.instantiations():
+        spec, call = _strict_spec(inst)
+        spec = dict(spec, ensure_row_contiguous=True, atomic_outputs=False, compile_options=None)
+        _, src, _ = mlx_source(spec, call["inputs"], [(1,)] * len(spec["output_names"]), call["output_dtypes"],
+                               call["grid"], call["threadgroup"], call["template"], None)
+        jobs.append((src, spec["header"], spec["source"], spec["name"]))
+
+    def one(job):
+        try:
+            check_strict(*job)
+        except Exception:  # reported by the test of this instantiation
+            pass
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=min(8, max(1, cores))) as pool:
+        list(pool.map(one, jobs))
+    return emu
+
+
+@pytest.mark.parametrize("inst", G.instantiations(), ids=lambda t: "-".join(str(v).split(".")[-1] for v in t))
+def test_strict_compile(strict_warm, inst):
+    spec, call = _strict_spec(inst)
+    strict_warm.compile_strict(**spec, **call)
