@@ -345,6 +345,22 @@ out[i] = x[i - 1];  // reads x[-1] in the first thread
 uint i = thread_position_in_grid.x;
 out[i + 1] = x[i];
 """), _call([_x(100)], 100, (100, 1, 1), (32, 1, 1)), (metal_emu.OutOfBounds,)),
+    Bad("threadgroup-array-out-of-bounds",
+        K("tgoob", ["x"], ["out"], """
+uint t = thread_index_in_threadgroup;
+threadgroup float buf[64];
+buf[t] = x[t];
+threadgroup_barrier(mem_flags::mem_threadgroup);
+out[t] = buf[t] + buf[t + 1];  // buf[64] in the last thread
+"""), _call([_x(64)], 64, (64, 1, 1), (64, 1, 1)), (metal_emu.OutOfBounds,)),
+    Bad("threadgroup-array-underflow",
+        K("tgneg", ["x"], ["out"], """
+int t = int(thread_index_in_threadgroup);
+threadgroup float buf[64];
+buf[t] = x[t];
+threadgroup_barrier(mem_flags::mem_threadgroup);
+out[t] = buf[t] - buf[t - 1];  // buf[-1] in the first thread
+"""), _call([_x(64)], 64, (64, 1, 1), (64, 1, 1)), (metal_emu.OutOfBounds,)),
     Bad("oversized-threadgroup-array-static",
         K("bigtg", ["x"], ["out"], """
 threadgroup float big[9000];

@@ -189,8 +189,19 @@ def _runtime_object():
 _loaded = {}
 
 
+_built = {}
+
+
 def build(mlx_src, kernel):
     """Compiles (or finds in the cache) the emulation .so for this source; returns (ctypes lib, params)."""
+    hit = _built.get((mlx_src, kernel))
+    if hit is not None:
+        return hit
+    _built[(mlx_src, kernel)] = hit = _build(mlx_src, kernel)
+    return hit
+
+
+def _build(mlx_src, kernel):
     label = f"kernel:{kernel}"
     tu, params = translation_unit(mlx_src, label)
     key = _digest(tu, _support_digest(), " ".join(EMU_FLAGS), "-Wl,-Bsymbolic")

@@ -2,12 +2,14 @@
 
 Run `python tests/metal_emu/gen_swizzles.py` after changing it; the output is committed.
 """
+import functools
 import itertools
 from pathlib import Path
 
 SETS = ("xyzw", "rgba")
 
 
+@functools.lru_cache(maxsize=None)
 def members(n):
     out = []
     for letters in SETS:
@@ -17,7 +19,7 @@ def members(n):
                 name = "".join(comps[i] for i in idx)
                 code = sum(i << (4 * k) for k, i in enumerate(idx))
                 out.append(f"swz<T, {n}, {m}, 0x{code:x}> {name};")
-    return out
+    return tuple(out)
 
 
 def main():

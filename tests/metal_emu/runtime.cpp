@@ -65,6 +65,7 @@ struct TgSlot {
   size_t map_len;
   char* data;
   size_t size;
+  bool at_end;
   unsigned long long gen;
 };
 
@@ -89,6 +90,7 @@ unsigned long long g_tg_gen = 0;
 size_t g_tg_bytes = 0;
 unsigned char g_tg_poison = 0xFF;
 int g_strict_collectives = 1;
+bool g_data_at_end = true;  // guard mode of this dispatch: data against the upper (true) or lower guard page
 
 sigjmp_buf g_jmp;
 char g_err[4096];
@@ -509,10 +511,11 @@ void* tg_get(int slot, size_t size) {
     g_n_tg_slots = slot + 1;
   }
   TgSlot& s = g_tg_slots[slot];
-  if (!s.map || s.size != size) {
+  if (!s.map || s.size != size || s.at_end != g_data_at_end) {
     if (s.map) munmap(s.map, s.map_len);
-    guarded_alloc(size, true, &s.map, &s.map_len, &s.data);
+    guarded_alloc(size, g_data_at_end, &s.map, &s.map_len, &s.data);
     s.size = size;
+    s.at_end = g_data_at_end;
     s.gen = 0;
   }
   if (s.gen != g_tg_gen) {
@@ -566,6 +569,7 @@ int mtl_emu_launch(int nbufs, void** host, const unsigned long long* sizes, cons
     return 1;
   }
   g_tg_poison = (unsigned char)tg_poison;
+  g_data_at_end = guard_mode == 0;
   g_strict_collectives = strict_collectives;
   void* dev[64];
   struct sigaction sa, old_segv, old_bus, old_fpe, old_alrm;
