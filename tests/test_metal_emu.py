@@ -420,6 +420,11 @@ if (sg == 0) {
   }
 }
 """), _call([_x(128)], 2, (128, 1, 1), (64, 1, 1), init_value=0), (metal_emu.UninitializedThreadgroupRead,)),
+    Bad("shuffle-from-missing-lane",
+        K("shufmiss", ["x"], ["out"], """
+uint i = thread_position_in_grid.x;
+out[i] = simd_shuffle_down(x[i], 16);  // the second SIMD-group has 16 lanes: lane 0 reads lane 16
+"""), _call([_x(48)], 48, (48, 1, 1), (48, 1, 1)), (metal_emu.UninitializedThreadgroupRead,)),
     Bad("unwritten-output",
         K("halfout", ["x"], ["out"], """
 uint i = thread_position_in_grid.x;

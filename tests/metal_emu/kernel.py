@@ -266,8 +266,9 @@ class EmuKernel:
             tg_diffs = _differences(a, c, names, dtypes, False)
             if tg_diffs:
                 raise UninitializedThreadgroupRead(
-                    "the output depends on threadgroup memory no lane wrote (results change with the poison "
-                    f"pattern of threadgroup memory; a missing barrier or a read past what was stored): "
+                    "the output depends on threadgroup memory no lane wrote, or on a SIMD-group shuffle/broadcast "
+                    "from an inactive lane (results change with the poison pattern; a missing barrier, a read "
+                    f"past what was stored, or a shuffle beyond a partial SIMD-group): "
                     f"{_describe(tg_diffs, by_name)}", kernel=self.name)
             raise UnwrittenOutput(
                 "output elements no lane wrote (MLX leaves outputs uninitialised unless init_value is given): "

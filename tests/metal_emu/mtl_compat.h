@@ -828,7 +828,7 @@ inline void simdgroup_barrier(mem_flags, const char* file = __builtin_FILE(), in
 
 // ================================================================= SIMD-group functions
 // Each is a rendezvous of the SIMD-group's lanes (mtl_rt::exchange): the value of every active lane
-// is visible to every lane afterwards; inactive lanes read as poison (all bits set).
+// is visible to every lane afterwards; inactive lanes read as the run's poison pattern.
 template <class T>
 struct simd_all_values {
   T v[32];

@@ -499,7 +499,7 @@ unsigned exchange(const void* mine, int size, void* all, const char* what, const
     unsigned char* out = (unsigned char*)all;
     for (int i = 0; i < kSimdWidth; ++i) {
       if (mask & (1u << i)) memcpy(out + i * size, g.slots[buf][i], (size_t)size);
-      else memset(out + i * size, 0xFF, (size_t)size);
+      else memset(out + i * size, g_tg_poison, (size_t)size);  // inactive lane: this run's poison
     }
   }
   return mask;
