@@ -180,7 +180,7 @@ inline void fo_stage_int8(const device T* x, int M, int K, int k0, int tid, cons
         float4 v = float4(float(xp[4 * j]), float(xp[4 * j + 1]), float(xp[4 * j + 2]),
                           float(xp[4 * j + 3]));
         s += (v.x + v.y) + (v.z + v.w);
-        float4 qv = clamp(rint(v * inv), -127.0f, 127.0f);
+        float4 qv = clamp(rint(v * inv), float4(-127.0f), float4(127.0f));
         xq[(m * NQ + j) * 32 + ln] = char4(qv);
       }
     } else {
