@@ -338,3 +338,49 @@ def strict_warm():
 def test_strict_compile(strict_warm, inst):
     spec, call = _strict_spec(inst)
     strict_warm.compile_strict(**spec, **call)
+
+
+# ---------------------------------------------------------------------------------------------
+# real decode shapes (slow in the emulator): Qwen3-0.6B q/k/v and gate/up, a down_proj-sized plain
+# GEMV (K = 3072: six 512-value blocks) and an lm_head slice
+
+
+REAL = [
+    ("qkv", (2048, 1024, 1024), 1024, 4, 64, mx.bfloat16, 1),
+    ("gate_up", (3072, 3072), 1024, 4, 64, mx.bfloat16, 1),
+    ("gemv", (1024,), 3072, 4, 64, mx.float16, 2),
+    ("gemv", (4099,), 1024, 8, 64, mx.bfloat16, 1),
+]
+
+
+@pytest.mark.slow
+@metal
+@pytest.mark.parametrize("kind, splits, k, bits, group, dtype, m", REAL,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v).split(".")[-1])
+def test_real_decode_shapes(kind, splits, k, bits, group, dtype, m):
+    w = packed(splits, k, bits, group, dtype, seed=7)
+    x = activations((1, m, k), dtype, seed=8)
+    exact = exact_linear(x, w)
+    if kind == "qkv":
+        bounds = np.cumsum((0,) + splits)
+        for j, (o, r) in enumerate(zip(G.qkv_proj(x, w), reference.qkv_proj(x, w))):
+            check(o, r, exact[..., bounds[j]:bounds[j + 1]], TOL[dtype])
+    elif kind == "gate_up":
+        g, u = exact[..., :splits[0]], exact[..., splits[0]:]
+        check(G.gate_up_silu(x, w), reference.gate_up_silu(x, w), g / (1 + np.exp(-g)) * u, TOL[dtype])
+    else:
+        check(G.gemv(x, w), reference.linear(x, w), exact, TOL[dtype])
+
+
+def test_variant_from_environment(monkeypatch):
+    monkeypatch.setenv("MLX_FASTOPS_GEMV_VARIANT", "int8")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    assert G._env_variant() == "int8"
+    monkeypatch.setenv("MLX_FASTOPS_DISABLE", "gemv_int8")
+    assert G._env_variant() == "prescaled"
+    monkeypatch.setenv("MLX_FASTOPS_GEMV_VARIANT", "int4")
+    with pytest.raises(ValueError, match="MLX_FASTOPS_GEMV_VARIANT"):
+        G._env_variant()
+    monkeypatch.delenv("MLX_FASTOPS_GEMV_VARIANT")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE")
+    assert G._env_variant() == "prescaled"
