@@ -28,9 +28,38 @@
 // ==== header ====
 #include <metal_simdgroup_matrix>
 
+// ==== loads_float ====
+// K/V in T: FO_K(key, d) / FO_V(key, d) read one element as float.
+#define FO_KV_POINTERS \
+  const device T* kp = k + int64_t(b) * k_strides[0] + int64_t(kvh) * k_strides[1]; \
+  const device T* vp = v + int64_t(b) * v_strides[0] + int64_t(kvh) * v_strides[1];
+#define FO_K(key, d) static_cast<float>(kp[int64_t(key) * k_strides[2] + int64_t(d) * k_strides[3]])
+#define FO_V(key, d) static_cast<float>(vp[int64_t(key) * v_strides[2] + int64_t(d) * v_strides[3]])
+
+// ==== loads_q8 ====
+// K/V as mlx-lm's QuantizedKVCache(bits=8) stores them: packed uint32 [B, Hkv, S, D/4] (4 values a
+// word, LSB first), scales/biases [B, Hkv, S, D/GS] in T; w = scale * q + bias, dequantised by each
+// lane for its two fragment elements at every 8x8 MMA step (no threadgroup staging, so D = 256 fits).
+// Template adds GS (quantisation group size).
+#define FO_KV_POINTERS \
+  const device uint32_t* kp = k + int64_t(b) * k_strides[0] + int64_t(kvh) * k_strides[1]; \
+  const device uint32_t* vp = v + int64_t(b) * v_strides[0] + int64_t(kvh) * v_strides[1]; \
+  const device T* ksp = k_scales + int64_t(b) * k_scales_strides[0] + int64_t(kvh) * k_scales_strides[1]; \
+  const device T* kbp = k_biases + int64_t(b) * k_biases_strides[0] + int64_t(kvh) * k_biases_strides[1]; \
+  const device T* vsp = v_scales + int64_t(b) * v_scales_strides[0] + int64_t(kvh) * v_scales_strides[1]; \
+  const device T* vbp = v_biases + int64_t(b) * v_biases_strides[0] + int64_t(kvh) * v_biases_strides[1];
+#define FO_Q8(p, sp, bp, pn, sn, bn, key, d) \
+  (static_cast<float>(sp[int64_t(key) * sn##_strides[2] + int64_t((d) / GS) * sn##_strides[3]]) * \
+       static_cast<float>((p[int64_t(key) * pn##_strides[2] + int64_t((d) / 4) * pn##_strides[3]] >> \
+                           (8u * uint((d) % 4))) & 0xFFu) + \
+   static_cast<float>(bp[int64_t(key) * bn##_strides[2] + int64_t((d) / GS) * bn##_strides[3]]))
+#define FO_K(key, d) FO_Q8(kp, ksp, kbp, k, k_scales, k_biases, key, d)
+#define FO_V(key, d) FO_Q8(vp, vsp, vbp, v, v_scales, v_biases, key, d)
+
 // ==== flash_attention ====
-// Template: T, D, CAUSAL.  Inputs: q [B, H, qL, D], k, v [B, Hkv, kL, D] (any strides),
-// scale (0-d float).  Output: out [B, qL, H, D] (the layout o_proj wants).
+// Template: T, D, CAUSAL (+ GS for q8).  Inputs: q [B, H, qL, D], k, v [B, Hkv, kL, D] (any
+// strides; q8: k, k_scales, k_biases, v, v_scales, v_biases), scale (0-d float). The wrapper puts
+// one of the loads_* sections in front of this body.  Output: out [B, qL, H, D] (the layout o_proj wants).
 // Grid (128 * ceil(qL / 16), H, B), threadgroup (128, 1, 1).
 constexpr int QT = 16;
 constexpr int KT = 32;
@@ -60,8 +89,7 @@ short fr = (fqid & 4) + short((ln / 2) % 4);
 short fc = (fqid & 2) * 2 + short(ln % 2) * 2;
 
 const device T* qp = q + int64_t(b) * q_strides[0] + int64_t(h) * q_strides[1];
-const device T* kp = k + int64_t(b) * k_strides[0] + int64_t(kvh) * k_strides[1];
-const device T* vp = v + int64_t(b) * v_strides[0] + int64_t(kvh) * v_strides[1];
+FO_KV_POINTERS
 
 for (int idx = int(tid); idx < QT * D; idx += NSG * 32) {
   int r = idx / D;
@@ -101,9 +129,9 @@ for (int kb = 0; kb < kv_end; kb += KT) {
   for (int kd = 0; kd < D / 8; ++kd) {
     // B[i][j] = K[key j][d i]: this lane holds row fr (d = 8 kd + fr), columns fc, fc + 1 (keys)
     simdgroup_float8x8 mk;
-    int64_t doff = int64_t(kd * 8 + fr) * k_strides[3];
-    mk.thread_elements()[0] = kin0 ? static_cast<float>(kp[int64_t(key0) * k_strides[2] + doff]) : 0.0f;
-    mk.thread_elements()[1] = kin1 ? static_cast<float>(kp[int64_t(key0 + 1) * k_strides[2] + doff]) : 0.0f;
+    int kdd = kd * 8 + fr;
+    mk.thread_elements()[0] = kin0 ? FO_K(key0, kdd) : 0.0f;
+    mk.thread_elements()[1] = kin1 ? FO_K(key0 + 1, kdd) : 0.0f;
     for (int rb = 0; rb < 2; ++rb) {
       simdgroup_float8x8 mq;
       int qo = (rb * 8 + fr) * D + kd * 8 + fc;
@@ -153,12 +181,11 @@ for (int kb = 0; kb < kv_end; kb += KT) {
     // V[key][d]: this lane holds row fr (key kb + 8 kk + fr), columns fc, fc + 1 (d)
     int vkey = kb + kk * 8 + int(fr);
     bool vin = vkey < kL;
-    int64_t vrow = int64_t(vkey) * v_strides[2];
     for (int cb = 0; cb < NCB; ++cb) {
       int d0 = (int(sgi) * NCB + cb) * 8 + fc;
       simdgroup_float8x8 mv;
-      mv.thread_elements()[0] = vin ? static_cast<float>(vp[vrow + int64_t(d0) * v_strides[3]]) : 0.0f;
-      mv.thread_elements()[1] = vin ? static_cast<float>(vp[vrow + int64_t(d0 + 1) * v_strides[3]]) : 0.0f;
+      mv.thread_elements()[0] = vin ? FO_V(vkey, d0) : 0.0f;
+      mv.thread_elements()[1] = vin ? FO_V(vkey, d0 + 1) : 0.0f;
       simdgroup_multiply_accumulate(acc_o[0][cb], mp0, mv, acc_o[0][cb]);
       simdgroup_multiply_accumulate(acc_o[1][cb], mp1, mv, acc_o[1][cb]);
     }

@@ -256,3 +256,45 @@ def test_strict_compile_tier(D, dtype):
             q = mx.zeros((1, 2, 20, D), dtype)
             kv = mx.zeros((1, 1, 20, D), dtype)
             A.flash_attention(q, kv, kv, 0.1, causal)
+            qkv = (mx.zeros((1, 1, 20, D // 4), mx.uint32), mx.zeros((1, 1, 20, D // 64), dtype),
+                   mx.zeros((1, 1, 20, D // 64), dtype))
+            A.flash_attention_q8(q, qkv, qkv, 0.1, causal, 64, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill over an int8 KV cache (QuantizedKVCache, kv_bits=8)
+
+
+@pytest.mark.parametrize("D,G,qL,offset,group,dtype", [
+    (64, 2, 9, 0, 64, mx.float16),
+    (128, 1, 5, 20, 32, mx.bfloat16),
+    (256, 4, 17, 3, 64, mx.float16),
+    (128, 8, 33, 0, 128, mx.bfloat16),
+], ids=lambda v: str(v).split(".")[-1])
+def test_flash_attention_q8(D, G, qL, offset, group, dtype):
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as stock_q
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    kL = offset + qL
+    k, v = rand((1, 2, kL, D), dtype, 1), rand((1, 2, kL, D), dtype, 2)
+    q = rand((1, 2 * G, qL, D), dtype, 3)
+    cache = QuantizedKVCache(group_size=group, bits=8)
+    if offset:
+        cache.update_and_fetch(k[..., :offset, :], v[..., :offset, :])
+    qk, qv = cache.update_and_fetch(k[..., offset:, :], v[..., offset:, :])  # strided slices of the buffers
+    scale = D ** -0.5
+    out = A.flash_attention_q8(q, qk, qv, scale, "causal", group, 8)
+    # oracle: float32 SDPA over the dequantised cache
+    dk = mx.dequantize(*qk, group_size=group, bits=8).astype(mx.float32)
+    dv = mx.dequantize(*qv, group_size=group, bits=8).astype(mx.float32)
+    ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), dk, dv, scale=scale, mask="causal")
+    assert_close(out, ref, dtype, "q8 vs dequantised SDPA")
+    # and mlx-lm's own quantized path (it rounds q * scale and the scores to the model dtype)
+    stock = stock_q(mx.array(q), qk, qv, scale=scale, mask="causal", group_size=group, bits=8)
+    assert np.abs(f32(out) - f32(stock)).max() <= 4 * TOL[dtype] * (1 + np.abs(f32(stock)).max())
+
+
+def test_flash_attention_q8_fallbacks():
+    assert A.unsupported_flash_attention_q8(head_dim=128, gqa=2, bits=4)
+    assert A.unsupported_flash_attention_q8(head_dim=64, gqa=2, bits=8, group_size=128)
+    assert A.unsupported_flash_attention_q8(head_dim=128, gqa=2, bits=8, group_size=64) is None

@@ -129,13 +129,14 @@ FLASH_THREADS = 128  # 4 SIMD-groups
 
 
 @kernels.cached_builder
-def _flash_kernel(dtype):
+def _flash_kernel(dtype, quant=False):
     s = sections(FLASH_SOURCE)
+    kv = ["k", "k_scales", "k_biases", "v", "v_scales", "v_biases"] if quant else ["k", "v"]
     return kernels.metal_kernel(
-        name=f"fastops_flash_attention_{_tag(dtype)}",
-        input_names=["q", "k", "v", "scale"],
+        name=f"fastops_flash_attention{'_q8' if quant else ''}_{_tag(dtype)}",
+        input_names=["q", *kv, "scale"],
         output_names=["out"],
-        source=s["flash_attention"],
+        source=s["loads_q8" if quant else "loads_float"] + s["flash_attention"],
         header=s["header"],
         ensure_row_contiguous=False,  # transposed q views and cache slices, read in place
     )
@@ -157,6 +158,51 @@ def flash_attention(q, k, v, scale, mask=None):
     out = _flash_kernel(q.dtype)(
         inputs=[q, k, v, float(scale)],
         template=[("T", q.dtype), ("D", D), ("CAUSAL", causal)],
+        grid=(FLASH_THREADS * (-(-qL // Q_TILE)), H, B),
+        threadgroup=(FLASH_THREADS, 1, 1),
+        output_shapes=[(B, qL, H, D)],
+        output_dtypes=[q.dtype],
+    )[0]
+    return out.transpose(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill over an int8 KV cache (mlx-lm's QuantizedKVCache, kv_bits=8)
+
+Q8_GROUPS = (32, 64, 128)
+
+
+def unsupported_flash_attention_q8(head_dim=None, gqa=None, dtype=None, mask=None, bits=8, group_size=64, **_):
+    if bits != 8:
+        return f"kv_bits={bits} (kernel: 8)"
+    if group_size not in Q8_GROUPS or (head_dim is not None and head_dim % group_size):
+        return f"kv group size {group_size} with head_dim {head_dim}"
+    return unsupported_flash_attention(head_dim, gqa, dtype, mask)
+
+
+def flash_attention_q8(q, q_keys, q_values, scale, mask=None, group_size=64, bits=8):
+    """Flash attention over mlx-lm's QuantizedKVCache tuples (packed uint32, scales, biases).
+
+    Same contract as mlx_lm.models.base.quantized_scaled_dot_product_attention: q [B,H,qL,D],
+    q_keys / q_values = (w [B,Hkv,kL,D/4] uint32, scales, biases [B,Hkv,kL,D/group_size]) ->
+    [B,H,qL,D]. K/V are dequantised per 8x8 MMA step inside the kernel; nothing is materialised.
+    Array masks and other bit widths run the stock quantized path.
+    Not yet wired into FusedAttention (its prefill path leaves quantised caches to stock).
+    """
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as stock_q
+
+    B, H, qL, D = q.shape
+    kw, ks, kb = q_keys
+    vw, vs, vb = q_values
+    Hk, kL = kw.shape[1], kw.shape[2]
+    if (isinstance(mask, mx.array) or H % Hk or kL == 0 or qL == 0
+            or unsupported_flash_attention_q8(D, H // Hk, q.dtype, None, bits, group_size)
+            or kw.dtype != mx.uint32 or vw.dtype != mx.uint32 or kw.shape[-1] * 4 != D or vw.shape[-1] * 4 != D
+            or ks.dtype != q.dtype or vs.dtype != q.dtype or kb.dtype != q.dtype or vb.dtype != q.dtype):
+        return stock_q(q, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+    out = _flash_kernel(q.dtype, True)(
+        inputs=[q, kw, ks, kb, vw, vs, vb, float(scale)],
+        template=[("T", q.dtype), ("D", D), ("CAUSAL", mask == "causal"), ("GS", group_size)],
         grid=(FLASH_THREADS * (-(-qL // Q_TILE)), H, B),
         threadgroup=(FLASH_THREADS, 1, 1),
         output_shapes=[(B, qL, H, D)],
