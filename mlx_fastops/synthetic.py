@@ -49,24 +49,26 @@ CONFIGS = {
     # Test configs: every family, shapes that are not tile multiples, GQA 2 and 4.
     "qwen3-tiny": {**_QWEN3, "hidden_size": 192, "intermediate_size": 320, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                   "vocab_size": 1000, "tie_word_embeddings": True},
+                   "vocab_size": 4096, "tie_word_embeddings": True},
     "llama-tiny": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 448,
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
-                   "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 1000,
+                   "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 4096,
                    "max_position_embeddings": 4096, "rope_theta": 500000.0,
                    "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False},
     "qwen2-tiny": {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 384,
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "rms_norm_eps": 1e-6, "vocab_size": 1000, "max_position_embeddings": 4096,
+                   "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,
                    "rope_theta": 1000000.0, "tie_word_embeddings": True},
 }
 
-# Residual-stream design (rms per element): the token embedding (1.0) dominates what attention adds
-# (~0.3), so each layer's MLP sees the current token; the MLP branch (~sqrt(hidden)) dominates the
-# embedding so much that, with tied embeddings, the current token's own logit is no larger than a
-# random one's: the next token is a random function of the current one and its context.
+# Residual-stream design (rms per element): the token embedding (1.0) and what attention adds (its
+# output projection scaled by _ATTN_GAIN, about as large) both reach each layer's MLP, so the next
+# token depends on the current one and on its context (a function of the current token alone falls
+# into short cycles); the MLP branch (~sqrt(hidden)) dominates the embedding so much that, with tied
+# embeddings, the current token's own logit is no larger than a random one's.
 _EMBED_RMS = 1.0
 _MLP_GAIN_PER_SQRT_HIDDEN = 10.0
+_ATTN_GAIN = 3.0
 # Target spread (std) of the logits: top-1/top-2 margins of a few units, not ~0.1.
 _LOGIT_STD = 12.0
 
@@ -116,6 +118,8 @@ def _init_weights(model, seed):
             return mx.full(a.shape, _LOGIT_STD / (hidden**0.5 * head_rms))
         if path.endswith("norm.weight"):
             return 1.0 + 0.1 * mx.random.normal(a.shape, key=sub)
+        if path.endswith("o_proj.weight"):
+            return a * _ATTN_GAIN
         if path.endswith("down_proj.weight"):
             return a * (_MLP_GAIN_PER_SQRT_HIDDEN * hidden**0.5)
         if path.endswith(".bias"):
