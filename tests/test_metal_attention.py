@@ -298,3 +298,28 @@ def test_flash_attention_q8_fallbacks():
     assert A.unsupported_flash_attention_q8(head_dim=128, gqa=2, bits=4)
     assert A.unsupported_flash_attention_q8(head_dim=64, gqa=2, bits=8, group_size=128)
     assert A.unsupported_flash_attention_q8(head_dim=128, gqa=2, bits=8, group_size=64) is None
+
+
+def test_emulator_flags_a_missing_softmax_pv_barrier(metal_backend, monkeypatch):
+    """The barrier between softmax and P.V is load-bearing (MNN pitfall 4): without it the emulator
+    reports reads of threadgroup memory no lane wrote yet."""
+    if metal_backend != "emulator":
+        pytest.skip("negative test of the emulator's checks")
+    import metal_emu
+
+    from mlx_fastops import kernels
+    from mlx_fastops.backends.metal import norm_rope
+
+    orig = norm_rope.sections(A.FLASH_SOURCE)
+    body = orig["flash_attention"]
+    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+    j = body.rindex(barrier, 0, body.index("// ---- O = O * alpha + P . V"))
+    broken = dict(orig, flash_attention=body[:j] + body[j + len(barrier):])
+    monkeypatch.setattr(A, "sections", lambda f: broken if f == A.FLASH_SOURCE else norm_rope.sections(f))
+    kernels.clear_builders()
+    try:
+        q, k, v = flash_case(1, 1, 2, 64, 33, 33, mx.float16)
+        with pytest.raises(metal_emu.KernelError, match="uninitialized-threadgroup-read|order"):
+            A.flash_attention(q, k, v, 0.125, "causal")
+    finally:
+        kernels.clear_builders()
