@@ -1,0 +1,409 @@
+"""CUDA backend: thin wrappers around the kernels in cuda/*.cu (mx.fast.cuda_kernel).
+
+Ops (same signatures as backends/reference.py):
+  qkv_proj, gate_up_silu, lm_head   quantised GEMV (cuda/gemv.cu) for 1-8 activation rows; more
+                                    rows (prefill) go to the reference (stock quantized_matmul)
+  decode_attention                  GQA decode attention over the full cache buffers (attention.cu)
+Ops without a CUDA kernel (rms_norm_residual, qk_norm_rope, flash_attention) use the reference.
+
+Fast decode path (`fast_block`): a whole decoder block in 5 launches when the layer's cache is a
+`StaticKVCache` and B*L <= 8:
+  1. input RMSNorm + QKV GEMV + q/k RMSNorm + RoPE + k/v written into the cache in place
+  2. attention over the cache buffers (split over the sequence, merged in the same launch)
+  3. o_proj GEMV + residual add
+  4. post-attention RMSNorm + gate/up GEMV + SiLU*up
+  5. down GEMV + residual add
+Kernel objects are built lazily, once per (kernel, static shape class); per-step values (cache
+offset) are int32 arrays, the cache size is read from the buffer's shape at run time.
+"""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from ..kernels import cached_builder, cuda_kernel, read_source
+
+_CTYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+_HALF = (mx.float16, mx.bfloat16)
+MAX_ROWS = 8
+LOG2E = 1.4426950408889634
+
+
+def source(filename, defines, dtype):
+    """Kernel body: #defines for the static shape class, the T alias, then the file's body."""
+    lines = [f"#define {k} {int(v) if isinstance(v, bool) else v}" for k, v in defines.items()]
+    lines.append(f"using T = {_CTYPE[dtype]};")
+    return "\n".join(lines) + "\n" + read_source("cuda", filename)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV
+# ---------------------------------------------------------------------------------------------
+
+def gemv_config(M, K, bits, epi, head_dim=None):
+    """(MC, VEC, R, NW): rows per pass, uint32 words per lane load, rows per warp, warps/block."""
+    MC = M if M <= 4 else 4
+    VEC = 4 if M == 1 else (2 if M == 2 else 1)
+    epw = lambda v: (8 if bits == 4 else 4) * v
+    while VEC > 1 and K % epw(VEC):
+        VEC //= 2
+    if epi == 3:
+        # registers: 512 threads leave 128 per thread, 256 leave 255
+        NW = 16 if (M <= 2 and head_dim <= 128) else 8
+        R = head_dim // NW
+    else:
+        R, NW = 4, 4
+    return MC, VEC, R, NW
+
+
+def gemv_inputs(norm, bias, res, head=None):
+    names = ["x", "w", "sc", "bi"]
+    if norm:
+        names += ["nw", "eps"]
+    if bias:
+        names += ["bias"]
+    if res:
+        names += ["res"]
+    if head is not None:
+        if head["qknorm"]:
+            names += ["qn", "kn", "qkeps"]
+        names += ["off", "rb"] + (["rf"] if head["freqs"] else []) + ["kc", "vc"]
+    return names
+
+
+def gemv_defines(dtype, M, K, N, bits, gs, epi, norm=False, bias=False, head=None):
+    MC, VEC, R, NW = gemv_config(M, K, bits, epi, head and head["D"])
+    d = dict(BITS=bits, GS=gs, K=K, N=N, M=M, MC=MC, R=R, NW=NW, VEC=VEC, EPI=epi,
+             HAS_NORM=norm, HAS_BIAS=bias)
+    if head is not None:
+        d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
+                 ROPE_TRAD=head["trad"], ROPE_FREQS=head["freqs"])
+    else:
+        d.update(L=1, H=1, HKV=1, D=32, HAS_QKNORM=False, ROPE_TRAD=False, ROPE_FREQS=False)
+    return d
+
+
+@cached_builder
+def _gemv_kernel(dtype, M, K, N, bits, gs, epi, norm, bias, res, head_items):
+    head = dict(head_items) if head_items else None
+    defines = gemv_defines(dtype, M, K, N, bits, gs, epi, norm, bias, head)
+    name = f"fastops_gemv_e{epi}_b{bits}_g{gs}_m{M}"
+    out = ["yq"] if epi == 3 else ["y"]
+    kern = cuda_kernel(name=name, input_names=gemv_inputs(norm, bias, res, head), output_names=out,
+                       source=source("gemv.cu", defines, dtype),
+                       ensure_row_contiguous=(epi != 3))
+    _, _, R, NW = gemv_config(M, K, bits, epi, head and head["D"])
+    if epi == 3:
+        blocks = N // head["D"]
+    else:
+        nout = N // 2 if epi == 2 else N
+        blocks = -(-nout // (R * NW))
+    return kern, (blocks * NW * 32, 1, 1), (NW * 32, 1, 1)
+
+
+def gemv(x2d, w, epi=0, norm=None, res=None):
+    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps array) folds an input RMSNorm."""
+    M, K = x2d.shape
+    N = w.out_features
+    dtype = x2d.dtype
+    bias = w.bias is not None and epi == 0
+    kern, grid, tg = _gemv_kernel(dtype, M, K, N, w.bits, w.group_size, epi, norm is not None,
+                                  bias, res is not None, None)
+    inputs = [x2d, w.weight, w.scales, w.biases]
+    if norm is not None:
+        inputs += list(norm)
+    if bias:
+        inputs.append(w.bias)
+    if res is not None:
+        inputs.append(res)
+    nout = N // 2 if epi == 2 else N
+    return kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[dtype], grid=grid,
+                threadgroup=tg)[0]
+
+
+def _unsupported_linear(in_features, splits, bits, group_size, dtype, bias, **_):
+    if bits is None:
+        return "float weights (stock matmul is already one GEMM)"
+    if bits not in (4, 8) or group_size not in (32, 64, 128):
+        return f"bits={bits} group_size={group_size}"
+    if dtype not in _CTYPE:
+        return f"dtype {dtype}"
+    if in_features % 32:
+        return f"in_features {in_features} not a multiple of 32"
+    return None
+
+
+def unsupported_qkv_proj(**info):
+    return _unsupported_linear(**info)
+
+
+def unsupported_lm_head(**info):
+    return _unsupported_linear(**info)
+
+
+def unsupported_gate_up_silu(**info):
+    return _unsupported_linear(**info) or ("bias on gate/up" if info.get("bias") else None)
+
+
+def _rows(x):
+    n = 1
+    for s in x.shape[:-1]:
+        n *= s
+    return n
+
+
+def _ref():
+    from . import reference
+    return reference
+
+
+def qkv_proj(x, w):
+    M = _rows(x)
+    if M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _ref().qkv_proj(x, w)
+    y = gemv(x.reshape(M, -1), w)
+    nq, nk, nv = w.splits
+    lead = x.shape[:-1]
+    return (y[:, :nq].reshape(*lead, nq), y[:, nq:nq + nk].reshape(*lead, nk),
+            y[:, nq + nk:].reshape(*lead, nv))
+
+
+def gate_up_silu(x, w):
+    M = _rows(x)
+    if M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _ref().gate_up_silu(x, w)
+    return gemv(x.reshape(M, -1), w, epi=2).reshape(*x.shape[:-1], w.splits[0])
+
+
+def lm_head(x, w):
+    M = _rows(x)
+    if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _ref().lm_head(x, w)
+    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention
+# ---------------------------------------------------------------------------------------------
+
+ATTN_CHUNK = 64
+ATTN_WARPS = 4
+
+_counter_buf = None
+
+
+def _counters():
+    """Persistent zeroed int32 tickets for the split merge (each launch leaves them zero)."""
+    global _counter_buf
+    if _counter_buf is None:
+        _counter_buf = mx.zeros((1 << 14,), dtype=mx.int32)
+        mx.eval(_counter_buf)
+    return _counter_buf
+
+
+@cached_builder
+def _attn_kernel(dtype, L, H, HKV, D, scale):
+    defines = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, CH=ATTN_CHUNK, NW=ATTN_WARPS,
+                   SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
+    return cuda_kernel(name=f"fastops_attn_d{D}_g{H // HKV}", input_names=["q", "kc", "vc", "off", "cnt"],
+                       output_names=["o", "part"], source=source("attention.cu", defines, dtype),
+                       ensure_row_contiguous=False)
+
+
+def attention(q, kc, vc, off, scale):
+    """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] full buffers, off int32[1] -> [B, L, H, D]."""
+    B, L, H, D = q.shape
+    HKV, S = kc.shape[1], kc.shape[2]
+    kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale))
+    nsplit = -(-S // ATTN_CHUNK)
+    G = H // HKV
+    o, _ = kern(inputs=[q, kc, vc, off, _counters()],
+                output_shapes=[(B, L, H, D), (B * L * HKV, nsplit, G, D + 2)],
+                output_dtypes=[q.dtype, mx.float32],
+                grid=(nsplit * ATTN_WARPS * 32, HKV, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
+    return o
+
+
+def unsupported_decode_attention(head_dim=None, gqa=None, dtype=None, **_):
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim}"
+    if gqa not in (1, 2, 4, 8):
+        return f"GQA group {gqa}"
+    if dtype is not None and dtype not in _HALF:
+        return f"dtype {dtype}"
+    return None
+
+
+_off_cache = {}
+
+
+def offset_array(offset):
+    a = _off_cache.get(offset)
+    if a is None:
+        if len(_off_cache) > 256:
+            _off_cache.clear()
+        a = _off_cache[offset] = mx.array([offset], dtype=mx.int32)
+    return a
+
+
+def decode_attention(q, k_cache, v_cache, length, scale):
+    B, H, L, D = q.shape
+    if (L != 1 or q.dtype not in _HALF or k_cache.dtype != q.dtype
+            or unsupported_decode_attention(D, H // k_cache.shape[1]) or B * k_cache.shape[1] > 1 << 14):
+        return _ref().decode_attention(q, k_cache, v_cache, length, scale)
+    if isinstance(length, mx.array):
+        off = (length.reshape(1) - 1).astype(mx.int32)
+    else:
+        off = offset_array(int(length) - 1)
+    q4 = mx.contiguous(q).reshape(B, 1, H, D)
+    return attention(q4, k_cache, v_cache, off, scale).reshape(B, H, 1, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static KV cache and the fused decode block
+# ---------------------------------------------------------------------------------------------
+
+class StaticKVCache(KVCache):
+    """KVCache whose buffers grow in big steps and are written in place by the fast decode path.
+
+    Prefill (and every path that is not the fast path) writes through `update_and_fetch` exactly
+    like KVCache (slice assignment, in place when MLX can donate); the fast decode kernels write
+    the new k/v rows straight into `keys`/`values` at `offset`.
+    """
+
+    step = 1024
+
+    def reserve(self, B, n_kv, D, dtype, needed):
+        k = self.keys
+        if k is not None and k.shape[2] >= needed and k.shape[0] == B and k.shape[1] == n_kv \
+                and k.shape[3] == D and k.dtype == dtype:
+            return
+        S = -(-needed // self.step) * self.step
+        nk = mx.zeros((B, n_kv, S, D), dtype=dtype)
+        nv = mx.zeros((B, n_kv, S, D), dtype=dtype)
+        if k is not None and self.offset > 0:
+            nk[..., : self.offset, :] = k[..., : self.offset, :]
+            nv[..., : self.offset, :] = self.values[..., : self.offset, :]
+        self.keys, self.values = nk, nv
+
+    def update_and_fetch(self, keys, values):
+        B, n_kv, L, D = keys.shape
+        prev = self.offset
+        self.reserve(B, n_kv, D, keys.dtype, prev + L)
+        self.offset += L
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+
+def _quant_ok(m):
+    return (isinstance(m, nn.QuantizedLinear) and getattr(m, "mode", "affine") == "affine"
+            and m.bits in (4, 8) and m.group_size in (32, 64, 128) and "bias" not in m)
+
+
+def _as_packed(m):
+    from ..ops.weights import PackedLinear
+    K = m.weight.shape[1] * 32 // m.bits
+    return PackedLinear(m.weight, m.scales, m.biases, None, (m.weight.shape[0],), K, m.bits, m.group_size)
+
+
+class FastBlock:
+    """The 5-launch decode path of one decoder block (see the module docstring)."""
+
+    def __init__(self, block):
+        attn, mlp = block._attention, block._mlp
+        self.qkv = attn.qkv_weights
+        self.gate_up = mlp.gate_up_weights
+        self.o = _as_packed(attn._o)
+        self.down = _as_packed(mlp._down)
+        self.H, self.HKV = attn.n_heads, attn.n_kv_heads
+        self.D = self.qkv.splits[0] // self.H
+        self.scale = float(attn.scale)
+        dtype = self.qkv.scales.dtype
+        self.dtype = dtype
+        self.in_norm = (block._input_norm.weight, mx.array(block._input_norm.eps, dtype=mx.float32))
+        self.post_norm = (block._post_norm.weight, mx.array(block._post_norm.eps, dtype=mx.float32))
+        rope = attn.rope_spec
+        self.qknorm = attn.has_qk_norm
+        if self.qknorm:
+            self.qk = [attn._q_norm.weight, attn._k_norm.weight,
+                       mx.array(attn._q_norm.eps, dtype=mx.float32)]
+        else:
+            self.qk = []
+        base = rope.base if rope.base is not None else 1.0
+        self.rb = mx.array([math.log2(base), rope.scale], dtype=mx.float32)
+        self.rf = [rope.freqs.astype(mx.float32)] if rope.freqs is not None else []
+        self.trad = bool(rope.traditional)
+        self.K = self.qkv.in_features
+        mx.eval(self.in_norm, self.post_norm, self.qk, self.rb, self.rf)
+
+    @staticmethod
+    def unsupported(block):
+        attn, mlp = block._attention, block._mlp
+        qkv = getattr(attn, "qkv_weights", None)
+        gu = getattr(mlp, "gate_up_weights", None)
+        rope = getattr(attn, "rope_spec", None)
+        if qkv is None or not qkv.quantized:
+            return "QKV not fused / not quantised"
+        if gu is None or not gu.quantized:
+            return "gate/up not fused / not quantised"
+        if not (_quant_ok(attn._o) and _quant_ok(mlp._down)):
+            return "o_proj/down_proj not affine 4/8-bit without bias"
+        if rope is None:
+            return "RoPE variant"
+        D = qkv.splits[0] // attn.n_heads
+        if rope.dims != D:
+            return f"partial rotary ({rope.dims} of {D})"
+        if D not in (64, 128, 256):
+            return f"head_dim {D}"
+        if attn.n_heads % attn.n_kv_heads or attn.n_heads // attn.n_kv_heads not in (1, 2, 4, 8):
+            return "GQA group"
+        if qkv.scales.dtype not in _HALF:
+            return f"dtype {qkv.scales.dtype}"
+        if type(block._input_norm) is not nn.RMSNorm or type(block._post_norm) is not nn.RMSNorm:
+            return "norm type"
+        for w in (qkv, gu):
+            if w.in_features % 32:
+                return "in_features not a multiple of 32"
+        return None
+
+    def __call__(self, x, cache):
+        B, L, K = x.shape
+        M = B * L
+        if M > MAX_ROWS or (self.D == 256 and M > 2) or x.dtype != self.dtype:
+            return None
+        prev = cache.offset
+        cache.reserve(B, self.HKV, self.D, x.dtype, prev + L)
+        off = offset_array(prev)
+        qkv = self.qkv
+        head = (("D", self.D), ("H", self.H), ("HKV", self.HKV), ("L", L), ("freqs", bool(self.rf)),
+                ("qknorm", self.qknorm), ("trad", self.trad))
+        kern, grid, tg = _gemv_kernel(x.dtype, M, K, qkv.out_features, qkv.bits, qkv.group_size, 3,
+                                      True, qkv.bias is not None, False, head)
+        inputs = [x, qkv.weight, qkv.scales, qkv.biases, *self.in_norm]
+        if qkv.bias is not None:
+            inputs.append(qkv.bias)
+        inputs += [*self.qk, off, self.rb, *self.rf, cache.keys, cache.values]
+        q = kern(inputs=inputs, output_shapes=[(B, L, self.H, self.D)], output_dtypes=[x.dtype],
+                 grid=grid, threadgroup=tg)[0]
+        cache.offset = prev + L
+        o = attention(q, cache.keys, cache.values, off, self.scale)
+        x2 = x.reshape(M, K)
+        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
+        a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
+        out = gemv(a, self.down, epi=1, res=h)
+        return out.reshape(B, L, K)
+
+
+def fast_block(block):
+    """(callable(x, cache) -> out or None, reason): the fused decode path for a FusedBlock."""
+    reason = FastBlock.unsupported(block)
+    if reason:
+        return None, reason
+    return FastBlock(block), None
+
+
+def make_cache(model):
+    return [StaticKVCache() for _ in model.layers]
