@@ -53,7 +53,7 @@ CONFIGS = {
     "llama-tiny": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 448,
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
                    "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 4096,
-                   "max_position_embeddings": 4096, "rope_theta": 500000.0,
+                   "max_position_embeddings": 131072, "rope_theta": 500000.0,
                    "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False},
     "qwen2-tiny": {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 384,
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -129,25 +129,36 @@ def _init_weights(model, seed):
     model.update(tree_map_with_path(init, model.parameters()))
 
 
-def save_synthetic(name, path, bits=4, group_size=64, seed=0, dtype=None):
-    """Write `name` as a local mlx-lm model directory (weights, config, a synthetic tokenizer).
-
-    `mlx_lm.load(path)` / `mlx_lm.generate --model path` then work offline. Tokens are "t<id>".
-    """
+def _synthetic_tokenizer(vocab_size):
+    """Byte-level BPE without merges: any text encodes (one token per byte, ids 0-255); ids from
+    256 up decode as "t<id>". Byte-level because transformers builds its own Qwen2Tokenizer for
+    qwen2 configs from vocab and merges, ignoring other tokenizer.json models."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(byte_chars, key=lambda c: (len(c.encode()), c))[:256]
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab.update({f"t{i}": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    names = list(vocab)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=names[1], bos_token=names[2],
+                                   unk_token=names[0])
+
+
+def save_synthetic(name, path, bits=4, group_size=64, seed=0, dtype=None):
+    """Write `name` as a local mlx-lm model directory (weights, config, a synthetic tokenizer).
+
+    `mlx_lm.load(path)` / `mlx_lm.generate --model path` then work offline.
+    """
     model = synthetic_model(name, bits=bits, group_size=group_size, seed=seed, dtype=dtype)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     cfg = dict(model.fastops_config)
     save_config(cfg, path / "config.json")
-    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0",
-                            bos_token="t2").save_pretrained(path)
+    _synthetic_tokenizer(cfg["vocab_size"]).save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
     return path

@@ -182,3 +182,16 @@ def test_reference_backend_switch(monkeypatch):
     report = mlx_fastops.patch(model)
     assert report.backend == "reference" and {e.backend for e in report.fused} == {"reference"}
     mlx_fastops.unpatch(model)
+
+
+@pytest.mark.metal
+def test_kernel_switches_from_patch_argument(monkeypatch):
+    """patch(disable=[...]) reaches the backends' support checks, like MLX_FASTOPS_DISABLE does."""
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "metal")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    model = mlx_fastops.synthetic_model("qwen3-tiny", bits=4, dtype=mx.float16)
+    report = mlx_fastops.patch(model, disable=["qkv_kernel"])
+    by_fusion = {e.fusion: e for e in report.fused}
+    assert by_fusion["qkv"].backend == "reference" and "qkv_kernel" in by_fusion["qkv"].reason
+    assert by_fusion["gate_up"].backend == "metal"
+    mlx_fastops.unpatch(model)

@@ -1,0 +1,92 @@
+"""Each CLI command end to end on a tiny synthetic model, and a saved synthetic model directory
+loaded by mlx-lm itself."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import mlx_fastops
+from mlx_fastops.cli import main
+
+TINY = ["--model", "qwen3-tiny"]
+
+
+def test_bench_json_and_table(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "-p", "16", "-g", "4", "-n", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr()
+    assert "| qwen3-tiny (synthetic, 4-bit g64) | 4-bit g64 |" in text.out
+    assert "pp16" in text.out and "tg4" in text.out and "Greedy agreement: 32/32" in text.out
+    assert "[bench]" in text.err  # progress line
+    result = json.loads(out.read_text())
+    assert [r["test"] for r in result["rows"]] == ["pp16", "tg4"]
+    for row in result["rows"]:
+        assert len(row["stock"]["samples"]) == 2 and row["patched"]["median"] > 0
+    assert result["machine"]["mlx"] and result["agreement"]["identical"]
+
+
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert main(["bench", *TINY, "-p", "8", "-g", "2", "-n", "1", "-q", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_generate_synthetic(capsys):
+    assert main(["generate", *TINY, "--prompt", "t5 t6 hello", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" t") >= 8 and "Generation: 8 tokens" in out
+
+
+def test_verify_passes(capsys):
+    assert main(["verify", "--model", "llama-tiny", "--bits", "8", "-n", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: 32/32 greedy tokens identical" in out and "median" in out and "distinct tokens" in out
+
+
+def test_verify_fails_on_divergence(monkeypatch, capsys):
+    # A broken op must be caught: make the fused gate/up return a wrong activation.
+    from mlx_fastops.backends import reference
+
+    monkeypatch.setattr(reference, "gate_up_silu", lambda x, w: 0.5 * reference.linear(x, w)[..., : w.splits[0]])
+    assert main(["verify", *TINY, "-n", "16"]) == 1
+    assert "DIVERGED at token" in capsys.readouterr().out
+
+
+def test_profile_and_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    assert main(["profile", *TINY, "-n", "3", "--warmup", "1", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "| qkv_proj | 2 |" in out and "host time to build" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {"qkv_proj", "gate_up_silu", "lm_head"} <= {e["name"] for e in events}
+
+
+def test_capture_explains_without_metal(tmp_path, capsys):
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        pytest.skip("this machine has Metal")
+    assert main(["profile", *TINY, "--capture", str(tmp_path / "x.gputrace")]) == 2
+    assert "no Metal device" in capsys.readouterr().err
+
+
+def test_bad_model_name(capsys):
+    assert main(["bench", "--model", "qwen9-huge"]) == 2
+    assert "neither a synthetic model" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    r = subprocess.run([sys.executable, "-m", "mlx_fastops", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "bench" in r.stdout and "profile" in r.stdout
+
+
+def test_saved_synthetic_model_runs_in_mlx_lm(tmp_path):
+    path = mlx_fastops.save_synthetic("qwen2-tiny", tmp_path / "m", bits=4)
+    r = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--model", str(path), "--prompt",
+                        "t3 t4 t5", "--max-tokens", "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Generation: " in r.stdout
+    assert main(["verify", "--model", str(path), "-n", "8", "--prompt", "t3 t4 t5"]) == 0
