@@ -18,6 +18,9 @@ FUSIONS = {
     "lm_head": "the (tied or untied) output projection",
     "attention": "decode attention and prefill attention ops",
     "gemv_int8": "GPU GEMV variant that quantises activations to int8 (dp4a / int8 x int4)",
+    "fast_decode": "CUDA: whole decoder block in 5 launches (norm+QKV+qk-norm+RoPE+cache write, "
+                   "attention, o_proj+residual, norm+gate/up+SiLU, down+residual) with a static KV cache",
+    "compile": "CUDA: mx.compile of the whole decode step (fast_decode blocks)",
     "qkv_kernel": "GPU kernel of the fused Q/K/V op (off: stacked weights + one stock quantized_matmul)",
     "gate_up_kernel": "GPU kernel of the fused gate/up+SiLU op (off: one stock quantized_matmul + swiglu)",
     "lm_head_kernel": "GPU kernel of the lm_head op (off: the stock quantized_matmul)",

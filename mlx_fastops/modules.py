@@ -40,6 +40,9 @@ class FusedAttention(nn.Module):
         super().__init__()
         _copy_plain_attributes(self, stock)
         _adopt_children(self, stock, names)
+        # Kept for backend fast paths (plain attributes, not parameters).
+        object.__setattr__(self, "qkv_weights", qkv_weights)
+        object.__setattr__(self, "rope_spec", rope)
         self.qkv_fn = partial(ops["qkv"], w=qkv_weights) if "qkv" in ops else self._stock_qkv
         self.has_qk_norm = "q_norm" in names
         if "norm_rope" in ops:
@@ -90,6 +93,7 @@ class FusedMLP(nn.Module):
         super().__init__()
         _copy_plain_attributes(self, stock)
         _adopt_children(self, stock, names)
+        object.__setattr__(self, "gate_up_weights", weights)
         self.gate_up_fn = partial(gate_up_fn, w=weights)
 
     def __call__(self, x):
@@ -105,8 +109,16 @@ class FusedBlock(nn.Module):
         _adopt_children(self, stock, names, replace=children)
         norm = self._post_norm
         self.add_norm_fn = partial(add_norm_fn, weight=norm.weight, eps=norm.eps) if add_norm_fn else None
+        # A backend's whole-block decode path (set by the patcher): fast_fn(x, cache) -> out or
+        # None, taken only for caches of type fast_fn.cache_type and no array mask.
+        object.__setattr__(self, "fast_fn", None)
 
     def __call__(self, x, mask=None, cache=None):
+        fast = self.fast_fn
+        if fast is not None and type(cache) is fast.cache_type and not isinstance(mask, mx.array):
+            out = fast(x, cache)
+            if out is not None:
+                return out
         r = self._attention(self._input_norm(x), mask, cache)
         if self.add_norm_fn is None:
             h = x + r

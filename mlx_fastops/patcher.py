@@ -166,7 +166,24 @@ class _Patcher:
         else:
             add_norm = self.select(where, "residual_norm", "rms_norm_residual",
                                    hidden=norm.weight.shape[0], dtype=norm.weight.dtype)
-        return FusedBlock(block, names, {"attention": attn, "mlp": mlp}, add_norm)
+        fb = FusedBlock(block, names, {"attention": attn, "mlp": mlp}, add_norm)
+        self.fast_block(where, fb)
+        return fb
+
+    def fast_block(self, where, fb):
+        """A backend's whole-block decode path (CUDA: 5 launches per block), if it has one."""
+        hook = None if self.backend == "reference" else getattr(ops.backend_module(self.backend), "fast_block", None)
+        if hook is None:
+            return
+        if "fast_decode" in self.disabled:
+            self.skip(where, "fast_decode", "disabled")
+            return
+        fn, reason = hook(fb, disabled=self.disabled)
+        if fn is None:
+            self.skip(where, "fast_decode", reason)
+        else:
+            object.__setattr__(fb, "fast_fn", fn)
+            self.report.add(where, "fast_decode", "fused", self.backend)
 
     def head(self, model):
         """Returns (object, original class) for the class swap, or None."""
@@ -228,6 +245,40 @@ def patch(model, disable=()):
     return report
 
 
+def _install_cache(model, backend, layers):
+    """Backends with a fast decode path get their cache class from make_prompt_cache: set
+    model.make_cache (instance attribute) when every stock cache would be a plain KVCache."""
+    if not any(getattr(b, "fast_fn", None) is not None for b in layers):
+        return False
+    mod = ops.backend_module(backend)
+    make = getattr(mod, "make_cache", None)
+    if make is None:
+        return False
+    if hasattr(model, "make_cache"):
+        from mlx_lm.models.cache import KVCache
+        if any(type(c) is not KVCache for c in model.make_cache()):
+            return False
+    object.__setattr__(model, "make_cache", lambda: make(model))
+    return True
+
+
+def _install_step(model, backend, layers, disabled, report):
+    """A backend's compiled whole decode step (CUDA), if it has one; returns the undo state."""
+    mod = ops.backend_module(backend)
+    hook = getattr(mod, "fast_model", None)
+    if hook is None:
+        return None
+    if "compile" in disabled:
+        report.add("model", "compile", "skipped", reason="disabled")
+        return None
+    done, reason = hook(model, list(layers))
+    if done is None:
+        report.add("model", "compile", "skipped", reason=reason)
+        return None
+    report.add("model", "compile", "fused", backend)
+    return (mod.undo_fast_model, done)
+
+
 def _warm_up(model):
     if config.backend_name() == "reference":
         return
@@ -246,6 +297,11 @@ def unpatch(model):
     layers = model.layers
     for i, block in enumerate(state["layers"]):
         layers[i] = block
+    if state.get("cache_hook"):
+        model.__dict__.pop("make_cache", None)
+    if state.get("step"):
+        undo, (obj, original) = state["step"]
+        undo(obj, original)
     if state["head"] is not None:
         obj, original = state["head"]
         state["head_fn"] = obj.__dict__.pop("_fastops_head_fn")

@@ -337,6 +337,7 @@ class FastBlock:
         self.rf = [rope.freqs.astype(mx.float32)] if rope.freqs is not None else []
         self.trad = bool(rope.traditional)
         self.K = self.qkv.in_features
+        _counters()  # created (and evaluated) before any mx.compile trace
         mx.eval(self.in_norm, self.post_norm, self.qk, self.rb, self.rf)
 
     @staticmethod
@@ -369,14 +370,18 @@ class FastBlock:
                 return "in_features not a multiple of 32"
         return None
 
-    def __call__(self, x, cache):
+    cache_type = None  # set below (StaticKVCache)
+
+    def supports(self, x):
+        B, L, _ = x.shape
+        M = B * L
+        return M <= MAX_ROWS and not (self.D == 256 and M > 2) and x.dtype == self.dtype
+
+    def core(self, x, off, kc, vc):
+        """x [B, L, K], off int32[1] (cache length before these tokens) -> block output.
+        Writes this step's k/v rows into kc/vc in place."""
         B, L, K = x.shape
         M = B * L
-        if M > MAX_ROWS or (self.D == 256 and M > 2) or x.dtype != self.dtype:
-            return None
-        prev = cache.offset
-        cache.reserve(B, self.HKV, self.D, x.dtype, prev + L)
-        off = offset_array(prev)
         qkv = self.qkv
         head = (("D", self.D), ("H", self.H), ("HKV", self.HKV), ("L", L), ("freqs", bool(self.rf)),
                 ("qknorm", self.qknorm), ("trad", self.trad))
@@ -385,19 +390,31 @@ class FastBlock:
         inputs = [x, qkv.weight, qkv.scales, qkv.biases, *self.in_norm]
         if qkv.bias is not None:
             inputs.append(qkv.bias)
-        inputs += [*self.qk, off, self.rb, *self.rf, cache.keys, cache.values]
+        inputs += [*self.qk, off, self.rb, *self.rf, kc, vc]
         q = kern(inputs=inputs, output_shapes=[(B, L, self.H, self.D)], output_dtypes=[x.dtype],
                  grid=grid, threadgroup=tg)[0]
-        cache.offset = prev + L
-        o = attention(q, cache.keys, cache.values, off, self.scale)
+        o = attention(q, kc, vc, off, self.scale)
         x2 = x.reshape(M, K)
         h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
         a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
         out = gemv(a, self.down, epi=1, res=h)
         return out.reshape(B, L, K)
 
+    def __call__(self, x, cache):
+        if not self.supports(x):
+            return None
+        B, L, _ = x.shape
+        prev = cache.offset
+        cache.reserve(B, self.HKV, self.D, x.dtype, prev + L)
+        out = self.core(x, offset_array(prev), cache.keys, cache.values)
+        cache.offset = prev + L
+        return out
 
-def fast_block(block):
+
+FastBlock.cache_type = StaticKVCache
+
+
+def fast_block(block, disabled=()):
     """(callable(x, cache) -> out or None, reason): the fused decode path for a FusedBlock."""
     reason = FastBlock.unsupported(block)
     if reason:
@@ -407,3 +424,73 @@ def fast_block(block):
 
 def make_cache(model):
     return [StaticKVCache() for _ in model.layers]
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole decode step under mx.compile
+# ---------------------------------------------------------------------------------------------
+
+def _compiled_call(self, inputs, cache=None, input_embeddings=None):
+    step = self.__dict__.get("_fastops_step")
+    if (step is not None and input_embeddings is None and cache is not None and inputs.ndim == 2
+            and inputs.shape[0] * inputs.shape[1] <= MAX_ROWS):
+        blocks = self._fastops_blocks
+        c0 = cache[0]
+        if (type(c0) is StaticKVCache and len(cache) == len(blocks)
+                and all(type(c) is StaticKVCache and c.offset == c0.offset for c in cache)):
+            B, L = inputs.shape
+            prev = c0.offset
+            bufs = []
+            for fb, c in zip(blocks, cache):
+                c.reserve(B, fb.HKV, fb.D, fb.dtype, prev + L)
+                bufs.append(c.keys)
+                bufs.append(c.values)
+            h = step(inputs, offset_array(prev), *bufs)
+            for c in cache:
+                c.offset = prev + L
+            return h
+    return super(self.__class__, self).__call__(inputs, cache=cache, input_embeddings=input_embeddings)
+
+
+_INNER_CLASSES = {}
+
+
+def fast_model(model, blocks):
+    """Swap model.model's class for one whose decode step is one mx.compile'd function
+    (embedding, every FastBlock, final norm). Returns (obj, original class) or (None, reason)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
+        return None, "no inner model with embed_tokens/norm"
+    fasts = [b.fast_fn for b in blocks]
+    if any(f is None for f in fasts):
+        return None, "not every block has the fast decode path"
+    if getattr(inner, "pipeline_size", 1) != 1:
+        return None, "pipeline-parallel model"
+    embed, norm = inner.embed_tokens, inner.norm
+    dtype = fasts[0].dtype
+
+    def step(tokens, off, *bufs):
+        h = embed(tokens)
+        if h.dtype != dtype:
+            h = h.astype(dtype)
+        for i, fb in enumerate(fasts):
+            h = fb.core(h, off, bufs[2 * i], bufs[2 * i + 1])
+        return norm(h)
+
+    # An embedding in another dtype would make stock and fused paths differ: require a match.
+    if getattr(embed, "scales", getattr(embed, "weight", None)).dtype != dtype:
+        return None, "embedding dtype differs from the layers'"
+    base = type(inner)
+    cls = _INNER_CLASSES.get(base)
+    if cls is None:
+        cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,), {"__call__": _compiled_call})
+    object.__setattr__(inner, "_fastops_step", mx.compile(step))
+    object.__setattr__(inner, "_fastops_blocks", fasts)
+    inner.__class__ = cls
+    return (inner, base), None
+
+
+def undo_fast_model(obj, original):
+    obj.__class__ = original
+    obj.__dict__.pop("_fastops_step", None)
+    obj.__dict__.pop("_fastops_blocks", None)

@@ -1,0 +1,173 @@
+"""Stock vs patched mlx-lm on MLX's CUDA backend: prefill and decode, alternating in one process.
+
+    python3 benchmarks/cuda_bench.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b,llama-3.2-1b]
+        [--bits 4] [--reps 3] [--prompts 512,2048] [--gen 128] [--out benchmarks/results/cuda_bench]
+
+Two copies of each synthetic model (same seed, so the same weights) are built: one stays stock,
+the other is patched (MLX_FASTOPS_BACKEND=cuda). Each repetition runs stock then patched (order
+alternates between repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
+(greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
+definition), decode tok/s = (gen - 1) / time from the first to the last token. Reports median and
+spread (min-max), the ratio, greedy agreement of the two runs, and a host/GPU split of one decode
+step: Python graph-building time (model call, no evaluation) vs time to evaluate it.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_fastops
+from mlx_fastops import synthetic_model
+
+
+def device_name():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:
+        return str(mx.default_device())
+
+
+def run_once(model, prompt, gen):
+    toks = []
+    t0 = time.perf_counter()
+    t_first = None
+    for i, (tok, _) in enumerate(generate_step(prompt, model, max_tokens=gen)):
+        if i == 0:
+            t_first = time.perf_counter()
+        toks.append(int(tok))
+    t_end = time.perf_counter()
+    return len(prompt) / (t_first - t0), (gen - 1) / (t_end - t_first), toks
+
+
+def host_split(model, prompt, steps=24):
+    """Per decode step: Python graph build time and evaluation time (unpipelined), in ms."""
+    cache = make_prompt_cache(model)
+    logits = model(prompt[None], cache=cache)
+    y = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(y)
+    builds, evals = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(y[:, None], cache=cache)
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        t1 = time.perf_counter()
+        mx.eval(y)
+        t2 = time.perf_counter()
+        builds.append((t1 - t0) * 1e3)
+        evals.append((t2 - t1) * 1e3)
+    k = steps // 4
+    return statistics.median(builds[k:]), statistics.median(evals[k:])
+
+
+def stats(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+
+
+def bench_model(name, bits, reps, prompts, gen, log):
+    os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
+    t0 = time.perf_counter()
+    stock = synthetic_model(name, bits=bits)
+    fused = synthetic_model(name, bits=bits)
+    report = mlx_fastops.patch(fused)
+    log(f"{name}: models built and patched in {time.perf_counter() - t0:.1f}s")
+    log(str(report))
+    vocab = stock.args.vocab_size
+    out = {"model": name, "bits": bits, "group_size": 64, "patch": report.to_dict(), "prompts": {}}
+    for p in prompts:
+        prompt = mx.random.randint(0, vocab, (p,), key=mx.random.key(p))
+        # warm-up both (kernel compiles, compile traces, cache growth)
+        run_once(stock, prompt, 8)
+        run_once(fused, prompt, 8)
+        res = {"stock": {"pp": [], "tg": []}, "patched": {"pp": [], "tg": []}, "agree": []}
+        for r in range(reps):
+            order = [("stock", stock), ("patched", fused)]
+            if r % 2:
+                order.reverse()
+            toks = {}
+            for tag, m in order:
+                pp, tg, tk = run_once(m, prompt, gen)
+                res[tag]["pp"].append(pp)
+                res[tag]["tg"].append(tg)
+                toks[tag] = tk
+            same = next((i for i, (a, b) in enumerate(zip(toks["stock"], toks["patched"])) if a != b), gen)
+            res["agree"].append(same)
+            log(f"  {name} p={p} rep {r}: stock pp {res['stock']['pp'][-1]:.0f} tg {res['stock']['tg'][-1]:.1f} | "
+                f"patched pp {res['patched']['pp'][-1]:.0f} tg {res['patched']['tg'][-1]:.1f} | agree {same}/{gen}")
+        entry = {k: {m: stats(v) for m, v in res[k].items()} for k in ("stock", "patched")}
+        entry["agree_first_tokens"] = res["agree"]
+        bs, es = host_split(stock, prompt)
+        bf, ef = host_split(fused, prompt)
+        entry["host_split_ms"] = {"stock": {"build": bs, "eval": es}, "patched": {"build": bf, "eval": ef}}
+        log(f"  host split ms/step: stock build {bs:.2f} eval {es:.2f} | patched build {bf:.2f} eval {ef:.2f}")
+        out["prompts"][str(p)] = entry
+    del stock, fused
+    mx.clear_cache()
+    return out
+
+
+def markdown(results, meta):
+    lines = [f"# CUDA benchmark: stock mlx-lm vs mlx_fastops (patched)", "",
+             f"device: {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; "
+             f"{meta['reps']} alternating repetitions, median (min-max).", "",
+             "| model | test | stock tok/s | patched tok/s | ratio | greedy agreement (first diff / gen) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    fmt = lambda s: f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})"
+    for res in results:
+        for p, e in res["prompts"].items():
+            for kind, label in (("pp", f"pp{p}"), ("tg", f"tg{meta['gen']} @ {p}")):
+                s, f = e["stock"][kind], e["patched"][kind]
+                lines.append(f"| {res['model']} Q{res['bits']} | {label} | {fmt(s)} | {fmt(f)} | "
+                             f"{f['median'] / s['median']:.2f}x | {min(e['agree_first_tokens'])}/{meta['gen']} |")
+    lines += ["", "Host/GPU split of one decode step (ms, unpipelined: Python graph build, then mx.eval):", "",
+              "| model | prompt | stock build | stock eval | patched build | patched eval |", "| --- | --- | --- | --- | --- | --- |"]
+    for res in results:
+        for p, e in res["prompts"].items():
+            h = e["host_split_ms"]
+            lines.append(f"| {res['model']} | {p} | {h['stock']['build']:.2f} | {h['stock']['eval']:.2f} | "
+                         f"{h['patched']['build']:.2f} | {h['patched']['eval']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b,llama-3.2-1b")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompts", default="512,2048")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--out", default="benchmarks/results/cuda_bench")
+    a = ap.parse_args()
+    if not mx.cuda.is_available():
+        sys.exit("cuda_bench: MLX's CUDA backend is not available here")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+            "python": platform.python_version(), "commit": commit or "?", "reps": a.reps, "gen": a.gen,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    log = lambda s: print(s, flush=True)
+    log(json.dumps(meta))
+    results = []
+    for name in a.models.split(","):
+        results.append(bench_model(name, a.bits, a.reps, [int(p) for p in a.prompts.split(",")], a.gen, log))
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        out.with_suffix(".md").write_text(markdown(results, meta))
+    print(markdown(results, meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""CUDA kernels (cuda/*.cu) against the reference, on fresh random inputs. Skipped without CUDA.
+
+Grid: dtypes fp16/bf16 (fp32 for the plain GEMV), bits 4/8, group sizes 32/64/128, 1-8 activation
+rows, sizes that are not tile multiples, negative scales (MLX's quantiser produces them), head_dim
+64/128/256, GQA 1/2/4/8, cache lengths crossing 256 and the split size.
+"""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")]
+
+if mx.cuda.is_available():
+    from mlx_fastops.backends import cuda as C
+    from mlx_fastops.backends import reference as R
+    from mlx_fastops.ops.weights import PackedLinear, RopeSpec
+
+
+def rel(a, b):
+    a = np.asarray(a.astype(mx.float32)).astype(np.float64)
+    b = np.asarray(b.astype(mx.float32)).astype(np.float64)
+    assert np.isfinite(a).all(), "non-finite output"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def packed(N, K, bits, gs, dtype, splits=None, bias=False):
+    w = mx.random.normal((N, K)) * 0.05
+    wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    return PackedLinear(wq, s.astype(dtype), b.astype(dtype),
+                        (0.1 * mx.random.normal((N,))).astype(dtype) if bias else None,
+                        tuple(splits or (N,)), K, bits, gs)
+
+
+def dense(w):
+    """fp32 dequantised weight [N, K] (from the stored, already rounded scales/biases)."""
+    return mx.dequantize(w.weight, w.scales.astype(mx.float32), w.biases.astype(mx.float32),
+                         group_size=w.group_size, bits=w.bits)
+
+
+GEMV_GRID = [
+    # (M, K, N)
+    (1, 1024, 4096), (1, 192, 320), (2, 2048, 1000), (3, 320, 200), (4, 1024, 1032),
+    (5, 4096, 256), (8, 896, 4864), (8, 256, 40),
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("M,K,N", GEMV_GRID)
+def test_gemv_plain(dtype, bits, gs, M, K, N):
+    if K % gs:
+        pytest.skip("K not a multiple of the group")
+    dt = getattr(mx, dtype)
+    w = packed(N, K, bits, gs, dt, bias=(M == 2))
+    assert (np.asarray(w.scales.astype(mx.float32)) < 0).any(), "expected some negative scales"
+    x = mx.random.normal((M, K)).astype(dt)
+    y = C.gemv(x, w)
+    ref = x.astype(mx.float32) @ dense(w).T
+    if w.bias is not None:
+        ref = ref + w.bias.astype(mx.float32)
+    stock = R.linear(x, w)
+    assert y.shape == (M, N) and y.dtype == dt
+    assert rel(y, ref) < 1e-2
+    assert rel(y, stock) < 2e-2
+
+
+def test_gemv_fp32():
+    w = packed(320, 192, 4, 64, mx.float32)
+    x = mx.random.normal((2, 192))
+    assert rel(C.gemv(x, w), x @ dense(w).T) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("bits,gs", [(4, 64), (8, 32), (4, 128)])
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+def test_gemv_epilogues(dtype, bits, gs, M):
+    dt = getattr(mx, dtype)
+    K, N = 1024, 704
+    x = mx.random.normal((M, K)).astype(dt)
+    # residual
+    w = packed(N, K, bits, gs, dt)
+    res = mx.random.normal((M, N)).astype(dt)
+    y = C.gemv(x, w, epi=1, res=res)
+    assert rel(y, (res.astype(mx.float32) + x.astype(mx.float32) @ dense(w).T)) < 1e-2
+    # gate/up + SiLU with folded RMSNorm
+    gu = packed(2 * N, K, bits, gs, dt, splits=(N, N))
+    nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
+    eps = mx.array(1e-6, dtype=mx.float32)
+    y = C.gemv(x * 3, gu, epi=2, norm=(nw, eps))
+    xn = mx.fast.rms_norm(x * 3, nw, 1e-6)
+    ref = R.gate_up_silu(xn, gu)
+    g, u = mx.split(xn.astype(mx.float32) @ dense(gu).T, 2, axis=-1)
+    exact = nn.silu(g) * u
+    assert rel(y, exact) < 1.5e-2
+    assert rel(y, ref) < 3e-2
+    # public op wrappers
+    assert rel(C.gate_up_silu(xn.reshape(1, M, K), gu), ref.reshape(1, M, N)) < 3e-2
+    qkv = packed(N + 128 + 128, K, bits, gs, dt, splits=(N, 128, 128))
+    for a, b in zip(C.qkv_proj(x.reshape(M, 1, K), qkv), R.qkv_proj(x.reshape(M, 1, K), qkv)):
+        assert a.shape == b.shape and rel(a, b) < 2e-2
+
+
+def test_rows_beyond_8_use_reference():
+    w = packed(256, 512, 4, 64, mx.bfloat16)
+    x = mx.random.normal((1, 9, 512)).astype(mx.bfloat16)
+    assert mx.array_equal(C.lm_head(x, w), R.lm_head(x, w))
+
+
+def _rope_ref(x, rope, offset):
+    return mx.fast.rope(x, rope.dims, traditional=rope.traditional, base=rope.base, scale=rope.scale,
+                        offset=offset, freqs=rope.freqs)
+
+
+@pytest.mark.parametrize("D,H,HKV,M,L,qknorm,freqs,bias", [
+    (128, 16, 8, 1, 1, True, False, False),     # qwen3-0.6b
+    (128, 32, 8, 2, 1, True, False, False),     # qwen3-4b, batch 2
+    (64, 4, 1, 1, 1, False, True, False),       # llama (llama3 rope freqs)
+    (64, 14, 2, 2, 1, False, False, True),      # qwen2 (bias), batch 2
+    (128, 8, 8, 4, 4, True, False, False),      # 4 new tokens
+    (256, 8, 4, 2, 1, True, False, False),
+    (64, 8, 2, 8, 1, False, False, True),
+])
+def test_head_kernel(D, H, HKV, M, L, qknorm, freqs, bias):
+    dt = mx.bfloat16
+    K, B = 1024, M // L
+    qkv = packed((H + 2 * HKV) * D, K, 4, 64, dt, splits=(H * D, HKV * D, HKV * D), bias=bias)
+    x = mx.random.normal((B, L, K)).astype(dt)
+    nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
+    qn = (1 + 0.1 * mx.random.normal((D,))).astype(dt)
+    kn = (1 + 0.1 * mx.random.normal((D,))).astype(dt)
+    if freqs:
+        rope = RopeSpec(D, False, None, 1.0, (500000.0 ** (mx.arange(0, D, 2) / D)).astype(mx.float32))
+    else:
+        rope = RopeSpec(D, False, 1000000.0, 1.0)
+    S, off = 512, 300
+    kc = mx.random.normal((B, HKV, S, D)).astype(dt)
+    vc = mx.random.normal((B, HKV, S, D)).astype(dt)
+    kc0, vc0 = kc + 0, vc + 0
+    mx.eval(kc, vc, kc0, vc0)
+    head = (("D", D), ("H", H), ("HKV", HKV), ("L", L), ("freqs", freqs), ("qknorm", qknorm), ("trad", False))
+    kern, grid, tg = C._gemv_kernel(dt, M, K, qkv.out_features, 4, 64, 3, True, bias, False, head)
+    eps = mx.array(1e-6, dtype=mx.float32)
+    ins = [x, qkv.weight, qkv.scales, qkv.biases, nw, eps] + ([qkv.bias] if bias else [])
+    ins += ([qn, kn, eps] if qknorm else []) + [mx.array([off], dtype=mx.int32),
+                                                mx.array([math.log2(rope.base or 1.0), 1.0], dtype=mx.float32)]
+    ins += ([rope.freqs] if freqs else []) + [kc, vc]
+    q = kern(inputs=ins, output_shapes=[(B, L, H, D)], output_dtypes=[dt], grid=grid, threadgroup=tg)[0]
+    mx.eval(q)
+    # reference: stock ops
+    xn = mx.fast.rms_norm(x, nw, 1e-6)
+    rq, rk, rv = R.qkv_proj(xn, qkv)
+    rq, rk = rq.reshape(B, L, H, D), rk.reshape(B, L, HKV, D)
+    rq, rk = R.qk_norm_rope(rq, rk, qn if qknorm else None, kn if qknorm else None, 1e-6, rope, off)
+    rv = rv.reshape(B, L, HKV, D).transpose(0, 2, 1, 3)
+    assert rel(q, rq.transpose(0, 2, 1, 3)) < 2e-2
+    assert rel(kc[:, :, off:off + L], rk) < 2e-2
+    assert rel(vc[:, :, off:off + L], rv) < 2e-2
+    # nothing else in the cache moved
+    assert mx.array_equal(kc[:, :, :off], kc0[:, :, :off]) and mx.array_equal(vc[:, :, off + L:], vc0[:, :, off + L:])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+@pytest.mark.parametrize("B,length,S", [(1, 1, 256), (1, 255, 256), (2, 257, 512), (1, 1000, 1024), (2, 64, 1024)])
+def test_decode_attention(dtype, D, G, B, length, S):
+    dt = getattr(mx, dtype)
+    HKV = 2
+    H = HKV * G
+    q = mx.random.normal((B, H, 1, D)).astype(dt)
+    kc = mx.random.normal((B, HKV, S, D)).astype(dt)
+    vc = mx.random.normal((B, HKV, S, D)).astype(dt)
+    scale = D ** -0.5
+    o = C.decode_attention(q, kc, vc, length, scale)
+    ref = R.decode_attention(q.astype(mx.float32), kc.astype(mx.float32), vc.astype(mx.float32), length, scale)
+    assert o.shape == (B, H, 1, D)
+    assert rel(o, ref) < 1e-2
+    # again (the split tickets must have been reset), with the length as an array
+    o2 = C.decode_attention(q, kc, vc, mx.array(length), scale)
+    assert rel(o2, ref) < 1e-2
+
+
+@pytest.mark.parametrize("L", [2, 5])
+def test_attention_multi_token_causal(L):
+    dt, B, HKV, G, D, S, off = mx.bfloat16, 2, 2, 4, 128, 512, 200
+    q = mx.random.normal((B, L, HKV * G, D)).astype(dt)
+    kc = mx.random.normal((B, HKV, S, D)).astype(dt)
+    vc = mx.random.normal((B, HKV, S, D)).astype(dt)
+    o = C.attention(q, kc, vc, mx.array([off], dtype=mx.int32), D ** -0.5)
+    k = kc[:, :, :off + L].astype(mx.float32)
+    v = vc[:, :, :off + L].astype(mx.float32)
+    ref = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3).astype(mx.float32), k, v,
+                                               scale=D ** -0.5, mask="causal")
+    assert rel(o, ref.transpose(0, 2, 1, 3)) < 1e-2
