@@ -53,6 +53,9 @@ def cmd_bench(args):
     print(_report_of(model))
     if args.json:
         bench.save_json(result, args.json)
+    if args.markdown:
+        args.markdown.write_text(f"# mlx-fastops bench: {label}\n\n{bench.to_markdown(result, note)}\n\n"
+                                 f"{_report_of(model)}\n")
     if args.plot:
         bench.plot(result, args.plot)
     return 0
@@ -176,6 +179,7 @@ def build_parser():
     b.add_argument("-g", "--generation-tokens", type=int, default=None)
     b.add_argument("-n", "--num-trials", type=int, default=None)
     b.add_argument("--json", type=Path, help="write the results as JSON")
+    b.add_argument("--markdown", type=Path, help="write the table as a Markdown file")
     b.add_argument("--plot", type=Path, help="write a stock vs patched bar chart (PNG)")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     b.set_defaults(func=cmd_bench)
