@@ -4,6 +4,8 @@ MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FU
 MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
 """
 
+import contextlib
+import contextvars
 import os
 
 import mlx.core as mx
@@ -42,10 +44,23 @@ def parse_names(names, source):
     return names
 
 
+_patch_disabled = contextvars.ContextVar("mlx_fastops_patch_disabled", default=frozenset())
+
+
 def disabled(extra=()):
-    """Fusions switched off by MLX_FASTOPS_DISABLE plus `extra`."""
+    """Fusions switched off by MLX_FASTOPS_DISABLE, by the running patch(disable=...), and `extra`."""
     env = parse_names(os.environ.get("MLX_FASTOPS_DISABLE", ""), "MLX_FASTOPS_DISABLE")
-    return env | parse_names(extra, "disable")
+    return env | _patch_disabled.get() | parse_names(extra, "disable")
+
+
+@contextlib.contextmanager
+def disabling(names):
+    """While patch() runs, backends' support checks see its `disable` names through `disabled()`."""
+    token = _patch_disabled.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _patch_disabled.reset(token)
 
 
 def backend_name():

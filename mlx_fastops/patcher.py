@@ -233,9 +233,10 @@ def patch(model, disable=()):
     p = _Patcher(recipe, backend, disabled, report)
     layers = model.layers
     originals = list(layers)
-    for i, block in enumerate(originals):
-        layers[i] = p.block(f"layers.{i}", block)
-    head = p.head(model)
+    with config.disabling(disabled):
+        for i, block in enumerate(originals):
+            layers[i] = p.block(f"layers.{i}", block)
+        head = p.head(model)
     mx.eval(model.parameters())
     fused = list(layers)
     object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head,
