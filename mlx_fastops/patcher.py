@@ -143,7 +143,8 @@ class _Patcher:
         else:
             info = {"head_dim": head_dim, "gqa": attn.n_heads // attn.n_kv_heads}
             ops_["decode"], used, reason = ops.select("decode_attention", self.backend, **info)
-            ops_["prefill"], used2, reason2 = ops.select("flash_attention", self.backend, **info)
+            ops_["prefill"], _, _ = ops.select("flash_attention", self.backend, **info)
+            ops_["quantized"], _, _ = ops.select("quantized_attention", self.backend, **info)
             self.report.add(where, "attention", "fused", used, reason or "")
         return FusedAttention(attn, names, ops_, qkv_weights=w, rope=rope)
 
@@ -237,10 +238,14 @@ def patch(model, disable=()):
         for i, block in enumerate(originals):
             layers[i] = p.block(f"layers.{i}", block)
         head = p.head(model)
+    # Backend decode fast path (CUDA): its cache class and its compiled whole decode step.
+    cache_hook = _install_cache(model, backend, layers)
+    step = _install_step(model, backend, layers, disabled, report) if cache_hook else None
     mx.eval(model.parameters())
     fused = list(layers)
     object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head,
-                                       "fused": fused, "key": (backend, frozenset(disabled))})
+                                       "fused": fused, "key": (backend, frozenset(disabled)),
+                                       "cache_hook": cache_hook, "step": step})
     # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
     _warm_up(model)
     return report
@@ -259,8 +264,9 @@ def _install_cache(model, backend, layers):
         from mlx_lm.models.cache import KVCache
         if any(type(c) is not KVCache for c in model.make_cache()):
             return False
-    object.__setattr__(model, "make_cache", lambda: make(model))
-    return True
+    fn = lambda: make(model)
+    object.__setattr__(model, "make_cache", fn)
+    return fn
 
 
 def _install_step(model, backend, layers, disabled, report):
@@ -277,7 +283,7 @@ def _install_step(model, backend, layers, disabled, report):
         report.add("model", "compile", "skipped", reason=reason)
         return None
     report.add("model", "compile", "fused", backend)
-    return (mod.undo_fast_model, done)
+    return done  # (inner model object, stock class, fast class)
 
 
 def _warm_up(model):
@@ -301,8 +307,8 @@ def unpatch(model):
     if state.get("cache_hook"):
         model.__dict__.pop("make_cache", None)
     if state.get("step"):
-        undo, (obj, original) = state["step"]
-        undo(obj, original)
+        obj, original, _ = state["step"]
+        obj.__class__ = original
     if state["head"] is not None:
         obj, original = state["head"]
         state["head_fn"] = obj.__dict__.pop("_fastops_head_fn")
@@ -319,6 +325,11 @@ def _swap_in(model, state):
         obj, original = state["head"]
         obj.__class__ = head_class(original)
         object.__setattr__(obj, "_fastops_head_fn", state.pop("head_fn"))
+    if state.get("cache_hook"):
+        object.__setattr__(model, "make_cache", state["cache_hook"])
+    if state.get("step"):
+        obj, _, fast_cls = state["step"]
+        obj.__class__ = fast_cls
     model.__dict__.pop(_PARKED)
     object.__setattr__(model, _STATE, state)
 

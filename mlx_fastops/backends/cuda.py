@@ -457,7 +457,8 @@ _INNER_CLASSES = {}
 
 def fast_model(model, blocks):
     """Swap model.model's class for one whose decode step is one mx.compile'd function
-    (embedding, every FastBlock, final norm). Returns (obj, original class) or (None, reason)."""
+    (embedding, every FastBlock, final norm). Returns ((obj, stock class, fast class), None) or
+    (None, reason); the patcher swaps the class back on unpatch (the attributes stay, unused)."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
         return None, "no inner model with embed_tokens/norm"
@@ -487,10 +488,4 @@ def fast_model(model, blocks):
     object.__setattr__(inner, "_fastops_step", mx.compile(step))
     object.__setattr__(inner, "_fastops_blocks", fasts)
     inner.__class__ = cls
-    return (inner, base), None
-
-
-def undo_fast_model(obj, original):
-    obj.__class__ = original
-    obj.__dict__.pop("_fastops_step", None)
-    obj.__dict__.pop("_fastops_blocks", None)
+    return (inner, base, cls), None
