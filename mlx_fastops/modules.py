@@ -54,6 +54,7 @@ class FusedAttention(nn.Module):
             self.norm_rope_fn = self._stock_norm_rope
         self.decode_fn = ops.get("decode")
         self.prefill_fn = ops.get("prefill")
+        self.quantized_fn = ops.get("quantized")
 
     def _stock_qkv(self, x):
         return self._q(x), self._k(x), self._v(x)
@@ -79,7 +80,12 @@ class FusedAttention(nn.Module):
         if self.decode_fn is not None and L == 1 and mask is None and type(cache) is KVCache:
             # The cache's full buffers and the valid length: no strided-view copy for kernels.
             o = self.decode_fn(q, cache.keys, cache.values, cache.offset, self.scale)
-        elif self.prefill_fn is not None and not hasattr(cache, "bits") and not isinstance(mask, mx.array):
+        elif hasattr(cache, "bits"):
+            if self.quantized_fn is not None and not isinstance(mask, mx.array):
+                o = self.quantized_fn(q, k, v, self.scale, mask, cache.group_size, cache.bits)
+            else:
+                o = stock_sdpa(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        elif self.prefill_fn is not None and not isinstance(mask, mx.array):
             o = self.prefill_fn(q, k, v, self.scale, mask)
         else:
             o = stock_sdpa(q, k, v, cache=cache, scale=self.scale, mask=mask)

@@ -195,3 +195,25 @@ def test_kernel_switches_from_patch_argument(monkeypatch):
     assert by_fusion["qkv"].backend == "reference" and "qkv_kernel" in by_fusion["qkv"].reason
     assert by_fusion["gate_up"].backend == "metal"
     mlx_fastops.unpatch(model)
+
+
+@pytest.mark.metal
+def test_quantized_kv_cache_with_metal_kernels(monkeypatch):
+    """kv_bits=8: prompt and decode attention over mlx-lm's QuantizedKVCache through the int8 KV
+    flash-attention kernel (emulator on Linux), greedy tokens equal stock."""
+    import metal_emu
+
+    monkeypatch.setattr(metal_emu.config, "schedules", "min")
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "metal")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    model = mlx_fastops.synthetic_model("qwen3-tiny", bits=None, dtype=mx.float16)
+    prompt = prompt_of(model, 1, 12)
+    stock, _ = greedy(model, prompt, 3, kv_bits=8)
+    mlx_fastops.patch(model)
+    prof = profiler.Profile()
+    prof.recording = True
+    with profiler.instrument(model, prof):
+        fused, _ = greedy(model, prompt, 3, kv_bits=8)
+    mlx_fastops.unpatch(model)
+    assert fused == stock
+    assert len(prof.times["quantized_attention"]) == 3 * len(model.layers)

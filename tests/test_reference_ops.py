@@ -207,3 +207,21 @@ def test_unsupported_quantisation_is_named():
     lin = nn.Linear(128, 64)
     mx_ = nn.QuantizedLinear.from_linear(lin, 32, 4, mode="mxfp4")
     assert "mode" in PackedLinear.unsupported([mx_])
+
+
+@pytest.mark.parametrize("head_dim,gqa", [(64, 2), (128, 4)])
+@pytest.mark.parametrize("qL,kL,mask", [(1, 300, None), (33, 33, "causal"), (9, 260, "causal")])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_quantized_attention(head_dim, gqa, qL, kL, mask, group_size):
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    dtype = mx.float16
+    q = mx.random.normal((1, 2 * gqa, qL, head_dim)).astype(dtype)
+    keys = mx.quantize(mx.random.normal((1, 2, kL, head_dim)).astype(dtype), group_size=group_size, bits=8)
+    values = mx.quantize(mx.random.normal((1, 2, kL, head_dim)).astype(dtype), group_size=group_size, bits=8)
+    scale = head_dim**-0.5
+    # mlx-lm's function scales its queries argument in place (`queries *= scale`): give each a copy.
+    expected = quantized_scaled_dot_product_attention(mx.array(q), keys, values, scale=scale, mask=mask,
+                                                      group_size=group_size, bits=8)
+    got = ops.quantized_attention(mx.array(q), tuple(keys), tuple(values), scale, mask, group_size, 8)
+    assert got.shape == q.shape and rel_err(got, expected) <= 2 * TOL[dtype]

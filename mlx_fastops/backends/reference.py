@@ -6,6 +6,7 @@ Even here, what needs no kernel is fused: Q/K/V and gate/up are one matmul (or o
 
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 
 def linear(x, w):
@@ -59,3 +60,8 @@ def decode_attention(q, k_cache, v_cache, length, scale):
 
 def flash_attention(q, k, v, scale, mask=None):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def quantized_attention(q, q_keys, q_values, scale, mask=None, group_size=64, bits=8):
+    return quantized_scaled_dot_product_attention(q, q_keys, q_values, scale=scale, mask=mask,
+                                                  group_size=group_size, bits=bits)

@@ -12,6 +12,8 @@ Shapes (B batch, L tokens, H query heads, Hkv kv heads, D head_dim, S cache leng
                                              -> q[B,H,L,D], k[B,Hkv,L,D]  (norm optional)
   decode_attention(q[B,H,1,D], k_cache[B,Hkv,S,D], v_cache, length, scale) -> [B,H,1,D]
   flash_attention(q[B,H,L,D], k[B,Hkv,S,D], v, scale, mask)               -> [B,H,L,D]
+  quantized_attention(q, q_keys, q_values, scale, mask, group_size, bits) -> [B,H,L,D]
+      over mlx-lm's QuantizedKVCache tuples (packed uint32, scales, biases), each [B,Hkv,S,...]
   lm_head(x[B,L,K], w)                       -> logits [B,L,vocab]
 """
 
@@ -28,6 +30,7 @@ OPS = (
     "qk_norm_rope",
     "decode_attention",
     "flash_attention",
+    "quantized_attention",
     "lm_head",
 )
 
@@ -162,3 +165,18 @@ def flash_attention(q, k, v, scale, mask=None, backend=None):
     info = {"head_dim": q.shape[-1], "gqa": q.shape[1] // k.shape[1], "dtype": q.dtype,
             "mask": "array" if isinstance(mask, mx.array) else mask}
     return _run("flash_attention", (q, k, v, scale, mask), info, backend)
+
+
+def quantized_attention(q, q_keys, q_values, scale, mask=None, group_size=64, bits=8, backend=None):
+    _check_activation(q, "q")
+    if not (isinstance(q_keys, tuple) and isinstance(q_values, tuple) and len(q_keys) == len(q_values) == 3):
+        raise TypeError("q_keys and q_values must be (packed uint32, scales, biases) tuples")
+    if q_keys[0].dtype != mx.uint32 or q_keys[0].shape[-1] * 32 // bits != q.shape[-1]:
+        raise ValueError(f"packed keys {q_keys[0].shape} {q_keys[0].dtype} do not hold head_dim "
+                         f"{q.shape[-1]} at {bits} bits")
+    if q.shape[1] % q_keys[0].shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {q_keys[0].shape[1]} kv heads")
+    info = {"head_dim": q.shape[-1], "gqa": q.shape[1] // q_keys[0].shape[1], "dtype": q.dtype,
+            "mask": "array" if isinstance(mask, mx.array) else mask, "bits": bits,
+            "group_size": group_size}
+    return _run("quantized_attention", (q, q_keys, q_values, scale, mask, group_size, bits), info, backend)

@@ -10,3 +10,5 @@ from .attention import decode_attention, flash_attention  # noqa: E402,F401
 from .attention import unsupported_decode_attention, unsupported_flash_attention  # noqa: E402,F401
 from .norm_rope import qk_norm_rope, rms_norm_residual  # noqa: E402,F401
 from .norm_rope import unsupported_qk_norm_rope, unsupported_rms_norm_residual  # noqa: E402,F401
+from .attention import flash_attention_q8 as quantized_attention  # noqa: E402,F401
+from .attention import unsupported_flash_attention_q8 as unsupported_quantized_attention  # noqa: E402,F401
