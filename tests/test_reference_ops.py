@@ -51,7 +51,7 @@ def linear_cases():
         yield pytest.param(k, splits, bits, group, dtype, id=f"K{k}-{splits}-b{bits}-g{group}-{dtype}")
 
 
-@pytest.mark.parametrize("k,splits,bits,group,dtype", linear_cases())
+@pytest.mark.parametrize("k,splits,bits,group,dtype", list(linear_cases()))
 @pytest.mark.parametrize("rows", [1, 3])
 def test_qkv_proj(k, splits, bits, group, dtype, rows):
     layers = make_linears(splits, k, bits, group, dtype, bias=(k == 320))
@@ -67,7 +67,7 @@ def test_qkv_proj(k, splits, bits, group, dtype, rows):
         assert mx.array_equal(layer(x), e)
 
 
-@pytest.mark.parametrize("k,splits,bits,group,dtype", linear_cases())
+@pytest.mark.parametrize("k,splits,bits,group,dtype", list(linear_cases()))
 def test_gate_up_silu(k, splits, bits, group, dtype):
     gate, up = make_linears((splits[0], splits[0]), k, bits, group, dtype, seed=1)
     x = mx.random.normal((1, 2, k)).astype(dtype)
