@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 

@@ -9,22 +9,11 @@ KV cache in place. Tokens must equal stock mlx-lm's. On Linux every kernel runs 
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from decoding import greedy
 
 import mlx_fastops
 
 pytestmark = pytest.mark.metal
-
-
-def greedy(model, prompt, n):
-    cache = make_prompt_cache(model)
-    logits = model(prompt, cache=cache)
-    out = []
-    for _ in range(n):
-        tok = mx.argmax(logits[:, -1, :], axis=-1)
-        out.append(tok)
-        logits = model(tok[:, None], cache=cache)
-    return mx.stack(out, axis=1).tolist(), logits
 
 
 @pytest.mark.parametrize("bits,dtype,length", [

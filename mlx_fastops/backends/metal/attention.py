@@ -149,15 +149,21 @@ def unsupported_flash_attention(head_dim=None, gqa=None, dtype=None, mask=None, 
 
 
 def flash_attention(q, k, v, scale, mask=None):
-    B, H, qL, D = q.shape
+    _, H, qL, D = q.shape
     Hk, kL = k.shape[1], k.shape[2]
     if (isinstance(mask, mx.array) or H % Hk or _check_info(D, H // Hk, q.dtype) or k.dtype != q.dtype
             or v.dtype != q.dtype or v.shape != k.shape or kL == 0 or qL == 0):
         return reference.flash_attention(q, k, v, scale, mask)
-    causal = mask == "causal"
-    out = _flash_kernel(q.dtype)(
-        inputs=[q, k, v, float(scale)],
-        template=[("T", q.dtype), ("D", D), ("CAUSAL", causal)],
+    return _launch_flash(_flash_kernel(q.dtype), q, [k, v], scale, mask == "causal", [])
+
+
+def _launch_flash(kernel, q, kv_inputs, scale, causal, extra_template):
+    """One threadgroup per (Q_TILE queries, head, batch); the output is written [B, qL, H, D], so
+    the transpose back to [B, H, qL, D] is a view that o_proj's reshape reads without a copy."""
+    B, H, qL, D = q.shape
+    out = kernel(
+        inputs=[q, *kv_inputs, float(scale)],
+        template=[("T", q.dtype), ("D", D), ("CAUSAL", causal), *extra_template],
         grid=(FLASH_THREADS * (-(-qL // Q_TILE)), H, B),
         threadgroup=(FLASH_THREADS, 1, 1),
         output_shapes=[(B, qL, H, D)],
@@ -186,12 +192,10 @@ def flash_attention_q8(q, q_keys, q_values, scale, mask=None, group_size=64, bit
     Same contract as mlx_lm.models.base.quantized_scaled_dot_product_attention: q [B,H,qL,D],
     q_keys / q_values = (w [B,Hkv,kL,D/4] uint32, scales, biases [B,Hkv,kL,D/group_size]) ->
     [B,H,qL,D]. K/V are dequantised per 8x8 MMA step inside the kernel; nothing is materialised.
-    Array masks and other bit widths run the stock quantized path.
-    Not yet wired into FusedAttention (its prefill path leaves quantised caches to stock).
+    Array masks and other bit widths run the stock quantized path. This is the Metal
+    `quantized_attention` op (FusedAttention uses it whenever the cache is a QuantizedKVCache).
     """
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention as stock_q
-
-    B, H, qL, D = q.shape
+    _, H, qL, D = q.shape
     kw, ks, kb = q_keys
     vw, vs, vb = q_values
     Hk, kL = kw.shape[1], kw.shape[2]
@@ -199,13 +203,6 @@ def flash_attention_q8(q, q_keys, q_values, scale, mask=None, group_size=64, bit
             or unsupported_flash_attention_q8(D, H // Hk, q.dtype, None, bits, group_size)
             or kw.dtype != mx.uint32 or vw.dtype != mx.uint32 or kw.shape[-1] * 4 != D or vw.shape[-1] * 4 != D
             or ks.dtype != q.dtype or vs.dtype != q.dtype or kb.dtype != q.dtype or vb.dtype != q.dtype):
-        return stock_q(q, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
-    out = _flash_kernel(q.dtype, True)(
-        inputs=[q, kw, ks, kb, vw, vs, vb, float(scale)],
-        template=[("T", q.dtype), ("D", D), ("CAUSAL", mask == "causal"), ("GS", group_size)],
-        grid=(FLASH_THREADS * (-(-qL // Q_TILE)), H, B),
-        threadgroup=(FLASH_THREADS, 1, 1),
-        output_shapes=[(B, qL, H, D)],
-        output_dtypes=[q.dtype],
-    )[0]
-    return out.transpose(0, 2, 1, 3)
+        return reference.quantized_attention(q, q_keys, q_values, scale, mask, group_size, bits)
+    return _launch_flash(_flash_kernel(q.dtype, True), q, [kw, ks, kb, vw, vs, vb], scale,
+                         mask == "causal", [("GS", group_size)])
