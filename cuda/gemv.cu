@@ -22,7 +22,7 @@
 //                cache arrays are inputs; the write goes through a const_cast: MLX never sees it,
 //                and later readers are ordered after this launch through their use of yq).
 //
-// Template/defines set by the wrapper: T, BITS, GS, K, N (weight rows), M, MC, R, NW, VEC, EPI,
+// Defines set by the wrapper: T, BITS, GS, M, MC, R, NW, VEC (K % (32*EPW/32... see wrapper), EPI,
 // HAS_NORM, HAS_BIAS, and for EPI 3: L (tokens), H, HKV, D, HAS_QKNORM,
 // ROPE_TRAD, ROPE_FREQS.
 //
@@ -32,10 +32,13 @@
 
   constexpr int EPW = (BITS == 4 ? 8 : 4) * VEC;   // k per lane per step
   constexpr int KSTEP = 32 * EPW;                   // k per warp per step
-  constexpr int KW = K * BITS / 32;                 // uint32 words per weight row
-  constexpr int NG = K / GS;
   constexpr int RR = (EPI == 2) ? 2 * R : R;        // weight rows per warp
-  constexpr int NOUT = (EPI == 2) ? N / 2 : N;
+  // Sizes at run time (from the weight's shape): one compiled kernel per shape class, not per layer.
+  const int N = w_shape[0];                         // weight rows
+  const int KW = w_shape[1];                        // uint32 words per weight row
+  const int K = KW * (32 / BITS);
+  const int NG = K / GS;
+  const int NOUT = (EPI == 2) ? N / 2 : N;
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;

@@ -28,7 +28,7 @@ def wrap(name, src, inputs, outputs):
     params = []
     for n, t in inputs:
         params.append(f"const {t}* {n}")
-        if f"{n}_shape" in src:
+        if f"{n}_shape" in src and not (n == "kc" and "kc_shape[2]" not in src):
             params.append(f"const __grid_constant__ Shape {n}_shape")
     for n, t in outputs:
         params.append(f"{t}* {n}")

@@ -22,7 +22,7 @@ from mlx_fastops import synthetic_model
 
 GEN = 40
 MARGIN = 0.25
-MIN_COMPARED = 16
+MIN_COMPARED = 8
 
 
 def greedy(model, prompt, n):

@@ -17,6 +17,7 @@ Kernel objects are built lazily, once per (kernel, static shape class); per-step
 offset) are int32 arrays, the cache size is read from the buffer's shape at run time.
 """
 
+import hashlib
 import math
 
 import mlx.core as mx
@@ -36,6 +37,11 @@ def source(filename, defines, dtype):
     lines = [f"#define {k} {int(v) if isinstance(v, bool) else v}" for k, v in defines.items()]
     lines.append(f"using T = {_CTYPE[dtype]};")
     return "\n".join(lines) + "\n" + read_source("cuda", filename)
+
+
+def _name(kind, src):
+    """Kernel names unique per source: MLX may key its JIT module cache on the name."""
+    return f"fastops_{kind}_{hashlib.sha1(src.encode()).hexdigest()[:12]}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,9 +80,10 @@ def gemv_inputs(norm, bias, res, head=None):
 
 
 def gemv_defines(dtype, M, K, N, bits, gs, epi, norm=False, bias=False, head=None):
+    """#defines of one GEMV kernel. K and N are run-time values (read from w's shape); K only
+    decides the load width VEC (K must be a multiple of the k-chunk of one lane)."""
     MC, VEC, R, NW = gemv_config(M, K, bits, epi, head and head["D"])
-    d = dict(BITS=bits, GS=gs, K=K, N=N, M=M, MC=MC, R=R, NW=NW, VEC=VEC, EPI=epi,
-             HAS_NORM=norm, HAS_BIAS=bias)
+    d = dict(BITS=bits, GS=gs, M=M, MC=MC, R=R, NW=NW, VEC=VEC, EPI=epi, HAS_NORM=norm, HAS_BIAS=bias)
     if head is not None:
         d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
                  ROPE_TRAD=head["trad"], ROPE_FREQS=head["freqs"])
@@ -86,15 +93,23 @@ def gemv_defines(dtype, M, K, N, bits, gs, epi, norm=False, bias=False, head=Non
 
 
 @cached_builder
-def _gemv_kernel(dtype, M, K, N, bits, gs, epi, norm, bias, res, head_items):
+def _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, vec):
     head = dict(head_items) if head_items else None
-    defines = gemv_defines(dtype, M, K, N, bits, gs, epi, norm, bias, head)
-    name = f"fastops_gemv_e{epi}_b{bits}_g{gs}_m{M}"
+    # any K with this VEC gives the same source
+    K = vec * (8 if bits == 4 else 4) * 32
+    defines = gemv_defines(dtype, M, K, 0, bits, gs, epi, norm, bias, head)
+    assert defines["VEC"] == vec
+    src = source("gemv.cu", defines, dtype)
     out = ["yq"] if epi == 3 else ["y"]
-    kern = cuda_kernel(name=name, input_names=gemv_inputs(norm, bias, res, head), output_names=out,
-                       source=source("gemv.cu", defines, dtype),
-                       ensure_row_contiguous=(epi != 3))
-    _, _, R, NW = gemv_config(M, K, bits, epi, head and head["D"])
+    return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(norm, bias, res, head),
+                       output_names=out, source=src, ensure_row_contiguous=(epi != 3))
+
+
+def _gemv_kernel(dtype, M, K, N, bits, gs, epi, norm, bias, res, head_items):
+    """(kernel, grid, threadgroup) for this call's sizes."""
+    head = dict(head_items) if head_items else None
+    _, VEC, R, NW = gemv_config(M, K, bits, epi, head and head["D"])
+    kern = _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, VEC)
     if epi == 3:
         blocks = N // head["D"]
     else:
@@ -207,9 +222,9 @@ def _counters():
 def _attn_kernel(dtype, L, H, HKV, D, scale):
     defines = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, CH=ATTN_CHUNK, NW=ATTN_WARPS,
                    SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
-    return cuda_kernel(name=f"fastops_attn_d{D}_g{H // HKV}", input_names=["q", "kc", "vc", "off", "cnt"],
-                       output_names=["o", "part"], source=source("attention.cu", defines, dtype),
-                       ensure_row_contiguous=False)
+    src = source("attention.cu", defines, dtype)
+    return cuda_kernel(name=_name("attn", src), input_names=["q", "kc", "vc", "off", "cnt"],
+                       output_names=["o", "part"], source=src, ensure_row_contiguous=False)
 
 
 def attention(q, kc, vc, off, scale):
