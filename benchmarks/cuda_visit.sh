@@ -13,7 +13,7 @@ if [ "$mode" != "bench" ]; then
   tail -3 "$OUT/test_kernels.log" "$OUT/test_models.log"
 fi
 if [ "$mode" = "quick" ]; then
-  (cd benchmarks && timeout 60 python3 cuda_probe.py 2>&1 | tail -14 | tee "$OUT/probe.log")
+  (cd benchmarks && timeout 90 python3 cuda_probe.py 2>&1 | tail -14 | tee "$OUT/probe.log")
   timeout 60 python3 benchmarks/cuda_kernels.py --out "$OUT/cuda_kernels" 2>&1 | tail -22
   timeout 80 python3 benchmarks/cuda_bench.py --models qwen3-0.6b --reps 2 --prompts 512 --out "$OUT/bench_quick" 2>&1 | tail -12
 elif [ "$mode" = "full" ] || [ "$mode" = "bench" ]; then
