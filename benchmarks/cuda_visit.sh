@@ -7,6 +7,14 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
+if [ "$mode" = "verify" ]; then
+  K='test_head_kernel or test_gemv_fp32 or test_attention_multi or (test_decode_attention and (bfloat16-128-2 or bfloat16-64-4 or bfloat16-128-4 or bfloat16-256-8 or float16-64-8 or bfloat16-128-1)) or (test_gemv_epilogues and (bfloat16-4-64-1 or bfloat16-8-64-8))'
+  timeout 150 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k "$K" -p no:cacheprovider 2>&1 | tail -30 > "$OUT/test_kernels.log"
+  M='1-qwen3-tiny-4 or 2-qwen3-tiny-4 or 1-llama-tiny-4 or 2-qwen2-tiny-4 or 1-qwen3-tiny-8'
+  timeout 170 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -k "test_greedy and ($M)" -p no:cacheprovider 2>&1 | grep -v '^$' | tail -40 > "$OUT/test_models.log"
+  cat "$OUT/test_kernels.log" "$OUT/test_models.log" | grep -v INFO
+  exit 0
+fi
 if [ "$mode" != "bench" ]; then
   timeout 110 python3 -m pytest -m cuda -q tests/test_cuda_kernels.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/test_kernels.log"
   timeout 110 python3 -m pytest -m cuda -q -s -k "not real_size" tests/test_cuda_models.py -p no:cacheprovider 2>&1 | grep -v '^$' | tail -80 > "$OUT/test_models.log"

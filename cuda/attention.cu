@@ -5,7 +5,7 @@
 //
 // q, o: [B, L, H, D]; kc, vc: the full cache buffers [B, HKV, S, D] (S = allocated slots, read
 // from kc_shape at run time; ensure_row_contiguous=False so MLX never copies them).
-// Grid: x = split (CH positions each, gridDim.x = ceil(S / CH)), y = kv head, z = b * L + l.
+// Grid: x = split (CH = ceil(S / gridDim.x) positions each), y = kv head, z = b * L + l.
 // One block reads each K/V row of its chunk once for all G = H / HKV query heads of its kv head.
 // Lanes: LPP = D / 8 lanes hold one key row (16-byte loads), PPW = 32 / LPP rows per warp step.
 // Online softmax in fp32 with exp2 (q pre-scaled by scale * log2 e); a split or slot with no
@@ -14,7 +14,7 @@
 // (m, l, o[D]) per query head to `part`, and the last block to finish (atomic ticket on cnt, a
 // persistent zeroed int32 buffer that the last block resets) merges them: one launch.
 //
-// Defines: T, L, H, HKV, D, G, CH, NW, SCALE_LOG2 (float).
+// Defines: T, L, H, HKV, D, G, NW (warps; sized so SLOTS*G*D floats fit in 40 KB), SCALE_LOG2.
 // Inputs: q, kc, vc, off, cnt.   Outputs: o [B, L, H, D], part [B*L*HKV, nsplit, G, D + 2] f32.
 
   constexpr int LPP = D / 8;
@@ -24,6 +24,7 @@
   const int S = kc_shape[2];
   const int split = blockIdx.x;
   const int nsplit = gridDim.x;
+  const int CH = (S + nsplit - 1) / nsplit;   // positions per split (run time: no recompile)
   const int hk = blockIdx.y;
   const int bl = blockIdx.z;
   const int b = bl / L, l = bl % L;

@@ -50,10 +50,10 @@ def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
 
 def attn_case(dtype, L, H, HKV, D):
     T = C._CTYPE[dtype]
-    d = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, CH=C.ATTN_CHUNK, NW=C.ATTN_WARPS, SCALE_LOG2="0.1275f")
+    d = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, NW=C.attn_warps(D, H // HKV), SCALE_LOG2="0.1275f")
     src = C.source("attention.cu", d, dtype)
     ins = [("q", T), ("kc", T), ("vc", T), ("off", "int32_t"), ("cnt", "int32_t")]
-    return wrap(f"attn_d{D}_g{H // HKV}", src, ins, [("o", T), ("part", "float")]), C.ATTN_WARPS * 32
+    return wrap(f"attn_d{D}_g{H // HKV}", src, ins, [("o", T), ("part", "float")]), C.attn_warps(D, H // HKV) * 32
 
 
 def cases():

@@ -203,8 +203,22 @@ def lm_head(x, w):
 # Decode attention
 # ---------------------------------------------------------------------------------------------
 
-ATTN_CHUNK = 64
-ATTN_WARPS = 4
+ATTN_CHUNK = 64      # positions per split for caches up to ATTN_CHUNK * ATTN_MAX_SPLITS slots
+ATTN_MAX_SPLITS = 32
+
+
+def attn_warps(D, G):
+    """Warps per attention block: as many as the merge buffer (SLOTS*G*D floats <= 40 KB) allows."""
+    ppw = 32 // (D // 8)
+    nw = min(16, (10240 // (G * D)) // ppw)
+    p = 4
+    while p * 2 <= nw:
+        p *= 2
+    return p
+
+
+def attn_splits(S):
+    return min(-(-S // ATTN_CHUNK), ATTN_MAX_SPLITS)
 
 _counter_buf = None
 
@@ -220,7 +234,7 @@ def _counters():
 
 @cached_builder
 def _attn_kernel(dtype, L, H, HKV, D, scale):
-    defines = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, CH=ATTN_CHUNK, NW=ATTN_WARPS,
+    defines = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, NW=attn_warps(D, H // HKV),
                    SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
     src = source("attention.cu", defines, dtype)
     return cuda_kernel(name=_name("attn", src), input_names=["q", "kc", "vc", "off", "cnt"],
@@ -232,12 +246,13 @@ def attention(q, kc, vc, off, scale):
     B, L, H, D = q.shape
     HKV, S = kc.shape[1], kc.shape[2]
     kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale))
-    nsplit = -(-S // ATTN_CHUNK)
+    nsplit = attn_splits(S)
     G = H // HKV
+    nw = attn_warps(D, G)
     o, _ = kern(inputs=[q, kc, vc, off, _counters()],
                 output_shapes=[(B, L, H, D), (B * L * HKV, nsplit, G, D + 2)],
                 output_dtypes=[q.dtype, mx.float32],
-                grid=(nsplit * ATTN_WARPS * 32, HKV, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
+                grid=(nsplit * nw * 32, HKV, B * L), threadgroup=(nw * 32, 1, 1))
     return o
 
 
