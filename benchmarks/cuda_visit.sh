@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: CUDA tests, then benchmarks; logs to $OUT. Usage (after install.sh):
-#   bash benchmarks/cuda_visit.sh [tests|quick|full]
+#   bash benchmarks/cuda_visit.sh [verify|tests|quick|bench|kernels|full]
 set -o pipefail
 mode=${1:-quick}
 export PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ if [ "$mode" = "verify" ]; then
   cat "$OUT/test_kernels.log" "$OUT/test_models.log" | grep -v INFO
   exit 0
 fi
-if [ "$mode" != "bench" ]; then
+if [ "$mode" = "quick" ] || [ "$mode" = "full" ] || [ "$mode" = "tests" ]; then
   timeout 110 python3 -m pytest -m cuda -q tests/test_cuda_kernels.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/test_kernels.log"
   timeout 110 python3 -m pytest -m cuda -q -s -k "not real_size" tests/test_cuda_models.py -p no:cacheprovider 2>&1 | grep -v '^$' | tail -80 > "$OUT/test_models.log"
   tail -3 "$OUT/test_kernels.log" "$OUT/test_models.log"
@@ -24,8 +24,16 @@ if [ "$mode" = "quick" ]; then
   (cd benchmarks && timeout 90 python3 cuda_probe.py 2>&1 | tail -14 | tee "$OUT/probe.log")
   timeout 60 python3 benchmarks/cuda_kernels.py --out "$OUT/cuda_kernels" 2>&1 | tail -22
   timeout 80 python3 benchmarks/cuda_bench.py --models qwen3-0.6b --reps 2 --prompts 512 --out "$OUT/bench_quick" 2>&1 | tail -12
-elif [ "$mode" = "full" ] || [ "$mode" = "bench" ]; then
+elif [ "$mode" = "bench" ]; then
+  # final benchmark: ~5-6 min; results are rewritten after each model, so a timeout keeps the finished ones
+  timeout 330 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
+    --out benchmarks/results/cuda_bench 2>&1 | tail -40
+  cp benchmarks/results/cuda_bench.* "$OUT/" 2>/dev/null
+elif [ "$mode" = "kernels" ]; then
+  timeout 90 python3 benchmarks/cuda_kernels.py --out benchmarks/results/cuda_kernels 2>&1 | tail -25
+  cp benchmarks/results/cuda_kernels.* "$OUT/" 2>/dev/null
+elif [ "$mode" = "full" ]; then
   timeout 150 python3 benchmarks/cuda_kernels.py --out benchmarks/results/cuda_kernels 2>&1 | tail -25
-  timeout 400 python3 benchmarks/cuda_bench.py --reps 3 --out benchmarks/results/cuda_bench 2>&1 | tail -40
+  timeout 600 python3 benchmarks/cuda_bench.py --reps 3 --out benchmarks/results/cuda_bench 2>&1 | tail -40
   cp benchmarks/results/cuda_* "$OUT/" 2>/dev/null
 fi

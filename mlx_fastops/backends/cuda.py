@@ -150,16 +150,22 @@ def _unsupported_linear(in_features, splits, bits, group_size, dtype, bias, **_)
     return None
 
 
+def _switched_off(name):
+    from .. import config
+    return f"disabled (MLX_FASTOPS_DISABLE={name})" if name in config.disabled() else None
+
+
 def unsupported_qkv_proj(**info):
-    return _unsupported_linear(**info)
+    return _switched_off("qkv_kernel") or _unsupported_linear(**info)
 
 
 def unsupported_lm_head(**info):
-    return _unsupported_linear(**info)
+    return _switched_off("lm_head_kernel") or _unsupported_linear(**info)
 
 
 def unsupported_gate_up_silu(**info):
-    return _unsupported_linear(**info) or ("bias on gate/up" if info.get("bias") else None)
+    return (_switched_off("gate_up_kernel") or _unsupported_linear(**info)
+            or ("bias on gate/up" if info.get("bias") else None))
 
 
 def _rows(x):
@@ -444,8 +450,15 @@ class FastBlock:
 FastBlock.cache_type = StaticKVCache
 
 
+# The fast path fuses all of these; switching any of them off (A/B runs) switches it off.
+FAST_PATH_PARTS = ("qkv_kernel", "gate_up_kernel", "attention", "qk_norm_rope", "residual_norm")
+
+
 def fast_block(block, disabled=()):
     """(callable(x, cache) -> out or None, reason): the fused decode path for a FusedBlock."""
+    off = [n for n in FAST_PATH_PARTS if n in disabled]
+    if off:
+        return None, f"parts disabled: {','.join(off)}"
     reason = FastBlock.unsupported(block)
     if reason:
         return None, reason
