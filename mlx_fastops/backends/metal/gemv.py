@@ -227,7 +227,7 @@ def unsupported_linear(in_features, splits, bits, group_size, dtype, bias=False,
 
 
 def _switched_off(name):
-    return f"disabled (MLX_FASTOPS_DISABLE={name})" if name in config.disabled() else None
+    return f"disabled ({name})" if name in config.disabled() else None
 
 
 def unsupported_qkv_proj(**info):
