@@ -31,18 +31,30 @@ class Profile:
         self.t0 = time.perf_counter()
 
     def timed(self, name, fn):
-        def wrapper(*args, **kwargs):
-            if not self.recording:
-                return fn(*args, **kwargs)
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            mx.eval(out)
-            end = time.perf_counter()
-            self.times[name].append(end - start)
-            self.events.append((name, start - self.t0, end - start))
-            return out
+        return _Timed(self, name, fn)
 
-        return wrapper
+
+class _Timed:
+    """Calls `fn`, timing it (outputs evaluated) while the profile records; other attributes are
+    `fn`'s (callers read some, e.g. a fast path's `cache_type`)."""
+
+    def __init__(self, prof, name, fn):
+        self._prof, self._name, self._fn = prof, name, fn
+
+    def __getattr__(self, attr):
+        return getattr(self._fn, attr)
+
+    def __call__(self, *args, **kwargs):
+        prof = self._prof
+        if not prof.recording:
+            return self._fn(*args, **kwargs)
+        start = time.perf_counter()
+        out = self._fn(*args, **kwargs)
+        mx.eval(out)
+        end = time.perf_counter()
+        prof.times[self._name].append(end - start)
+        prof.events.append((self._name, start - prof.t0, end - start))
+        return out
 
 
 def _leaf_name(module_names, obj, fallback):
@@ -62,7 +74,8 @@ def instrument(model, prof):
                 op = {"add_norm": "rms_norm_residual", "norm_rope": "qk_norm_rope",
                       "qkv": "qkv_proj", "gate_up": "gate_up_silu", "_fastops_head": "lm_head",
                       "decode": "decode_attention", "prefill": "flash_attention",
-                      "quantized": "quantized_attention"}.get(op, op)
+                      "quantized": "quantized_attention",
+                      "fast": "decoder_block (fast path)"}.get(op, op)
                 object.__setattr__(mod, attr, prof.timed(op, value))
                 restore.append((mod, attr, value))
     for cls in _LEAF_CLASSES:
@@ -83,7 +96,9 @@ def instrument(model, prof):
     # Attention cores and cache writes are functions/methods, not modules.
     for mod, attr, name in _function_targets():
         orig = getattr(mod, attr)
-        setattr(mod, attr, prof.timed(name, orig))
+        timed = prof.timed(name, orig)
+        # A plain function, so that a method (KVCache.update_and_fetch) still binds `self`.
+        setattr(mod, attr, lambda *a, _timed=timed, **k: _timed(*a, **k))
         restore.append((mod, attr, orig))
     try:
         yield prof
