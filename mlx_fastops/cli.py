@@ -136,6 +136,8 @@ def cmd_verify(args):
     print(f"stock top-1/top-2 margin: median {statistics.median(margins):.3f}, min {min(margins):.3f}; "
           f"distinct tokens: {len(set(stock))}")
     print(f"last-token log-probs: max abs diff {mx.max(diff).item():.3e}, relative {rel:.3e}")
+    if args.oracle:
+        _oracle_table(args, model, prompt, stock)
     first = next((i for i, (a, b) in enumerate(zip(stock, fused)) if a != b), None)
     if first is None:
         print(f"OK: {len(stock)}/{len(stock)} greedy tokens identical")
@@ -144,6 +146,23 @@ def cmd_verify(args):
           f"(stock margin there {margins[first]:.3f})")
     print(f"stock:   {stock[max(0, first - 4): first + 4]}\npatched: {fused[max(0, first - 4): first + 4]}")
     return 1
+
+
+def _oracle_table(args, model, prompt, tokens):
+    """Stock and patched logits along stock's tokens, each against the float32 oracle."""
+    from . import fidelity, patch, unpatch
+
+    oracle_model, _, _, _ = _load(args)
+    oracle = fidelity.forced_logits(fidelity.fp32_oracle(oracle_model), prompt, tokens)
+    rows = []
+    unpatch(model)
+    rows.append(("stock", fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)))
+    patch(model)
+    rows.append(("patched", fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)))
+    print("against the same model in float32 (dequantised weights), fed stock's tokens:")
+    print("| path | max abs logit diff | mean abs logit diff | top-1 = float32 |\n|---|---|---|---|")
+    for name, r in rows:
+        print(f"| {name} | {r['max_abs']:.4f} | {r['mean_abs']:.5f} | {100 * r['top1_agree']:.1f}% |")
 
 
 def cmd_profile(args):
@@ -199,6 +218,8 @@ def build_parser():
     v.add_argument("--prompt", default=None, help="text prompt (default: random tokens)")
     v.add_argument("--prompt-len", type=int, default=16)
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--oracle", action="store_true",
+                   help="also compare stock and patched with the model evaluated in float32")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("profile", help="per-op decode time table")

@@ -90,3 +90,9 @@ def test_saved_synthetic_model_runs_in_mlx_lm(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Generation: " in r.stdout
     assert main(["verify", "--model", str(path), "-n", "8", "--prompt", "t3 t4 t5"]) == 0
+
+
+def test_verify_with_float32_oracle(capsys):
+    assert main(["verify", "--model", "qwen2-tiny", "-n", "8", "--oracle"]) == 0
+    out = capsys.readouterr().out
+    assert "| stock |" in out and "| patched |" in out and "top-1 = float32" in out

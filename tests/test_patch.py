@@ -196,3 +196,22 @@ def test_quantized_kv_cache_with_metal_kernels(monkeypatch):
     mlx_fastops.unpatch(model)
     assert fused == stock
     assert len(prof.times["quantized_attention"]) == 3 * len(model.layers)
+
+
+def test_fp32_oracle_measures_half_precision_error():
+    from mlx_fastops import fidelity
+
+    oracle_model = fidelity.fp32_oracle(mlx_fastops.synthetic_model("llama-tiny", bits=4, dtype=mx.bfloat16))
+    assert type(oracle_model.layers[0].self_attn.q_proj) is nn.Linear
+    assert oracle_model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    model = mlx_fastops.synthetic_model("llama-tiny", bits=4, dtype=mx.bfloat16)
+    prompt, tokens = mx.array([3, 1, 4, 1, 5]), [9, 2, 6, 5, 3]
+    oracle = fidelity.forced_logits(oracle_model, prompt, tokens)
+    stock = fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)
+    mlx_fastops.patch(model)
+    fused = fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)
+    mlx_fastops.unpatch(model)
+    assert stock["mean_abs"] > 1e-3  # bf16 is measurably off the float32 model
+    assert fused == stock  # the reference path computes exactly what stock computes
+    model.set_dtype(mx.float32)  # the same quantised model with float32 activations and scales
+    assert fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)["top1_agree"] == 1.0
