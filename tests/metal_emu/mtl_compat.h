@@ -843,14 +843,15 @@ inline void simd_gather(simd_all_values<T>& a, const T& x, const char* what, con
 }
 #define MTL_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
 
-#define MTL_SIMD_REDUCE(name, opexpr)                                   \
+// Reduce the live lanes in [first_lane, last_lane) of a gathered SIMD-group with `opexpr` (in r, y).
+#define MTL_REDUCE_LANES(name, opexpr, first_lane, last_lane)           \
   template <class T>                                                    \
   inline T name(T x, MTL_SITE) {                                        \
     simd_all_values<T> a;                                               \
     simd_gather(a, x, #name, file, line);                               \
     T r = x;                                                            \
     bool first = true;                                                  \
-    for (int i = 0; i < 32; ++i) {                                      \
+    for (unsigned i = (first_lane); i < (last_lane); ++i) {             \
       if (!(a.mask >> i & 1u)) continue;                                \
       const T& y = a.v[i];                                              \
       if (first) {                                                      \
@@ -862,6 +863,7 @@ inline void simd_gather(simd_all_values<T>& a, const T& x, const char* what, con
     }                                                                   \
     return r;                                                           \
   }
+#define MTL_SIMD_REDUCE(name, opexpr) MTL_REDUCE_LANES(name, opexpr, 0u, 32u)
 MTL_SIMD_REDUCE(simd_sum, r + y)
 MTL_SIMD_REDUCE(simd_product, r * y)
 MTL_SIMD_REDUCE(simd_max, max(r, y))
@@ -998,26 +1000,7 @@ inline bool simd_is_first(MTL_SITE) {
 }
 
 // quad-group functions (4 consecutive lanes)
-#define MTL_QUAD_REDUCE(name, opexpr)                                 \
-  template <class T>                                                  \
-  inline T name(T x, MTL_SITE) {                                      \
-    simd_all_values<T> a;                                             \
-    simd_gather(a, x, #name, file, line);                             \
-    unsigned base = a.lane & ~3u;                                     \
-    T r = x;                                                          \
-    bool first = true;                                                \
-    for (unsigned i = base; i < base + 4; ++i) {                      \
-      if (!(a.mask >> i & 1u)) continue;                              \
-      const T& y = a.v[i];                                            \
-      if (first) {                                                    \
-        r = y;                                                        \
-        first = false;                                                \
-      } else {                                                        \
-        r = T(opexpr);                                                \
-      }                                                               \
-    }                                                                 \
-    return r;                                                         \
-  }
+#define MTL_QUAD_REDUCE(name, opexpr) MTL_REDUCE_LANES(name, opexpr, a.lane & ~3u, (a.lane & ~3u) + 4u)
 MTL_QUAD_REDUCE(quad_sum, r + y)
 MTL_QUAD_REDUCE(quad_max, max(r, y))
 MTL_QUAD_REDUCE(quad_min, min(r, y))
