@@ -215,3 +215,37 @@ def test_fp32_oracle_measures_half_precision_error():
     assert fused == stock  # the reference path computes exactly what stock computes
     model.set_dtype(mx.float32)  # the same quantised model with float32 activations and scales
     assert fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)["top1_agree"] == 1.0
+
+
+def _batched_greedy(model, prompt, left_padding, n):
+    """Greedy decode with mlx-lm's BatchKVCache (per-sequence offsets, array masks: what
+    batch_generate and the server use)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = [BatchKVCache(left_padding=left_padding) for _ in model.layers]
+    logits = model(prompt, cache=cache)
+    out = []
+    for _ in range(n):
+        tok = mx.argmax(logits[:, -1, :], axis=-1)
+        out.append(tok)
+        logits = model(tok[:, None], cache=cache)
+    return mx.stack(out, axis=1).tolist()
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("metal", marks=pytest.mark.metal)])
+def test_batch_kv_cache_left_padding(backend, monkeypatch):
+    if backend == "metal":
+        import metal_emu
+
+        monkeypatch.setattr(metal_emu.config, "schedules", "min")
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", backend)
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    model = mlx_fastops.synthetic_model("qwen3-tiny", bits=4, dtype=mx.float16 if backend == "metal" else None)
+    prompt = prompt_of(model, 2, 12, seed=5)
+    n = 3 if backend == "metal" else 24
+    stock = _batched_greedy(model, prompt, [0, 5], n)
+    mlx_fastops.patch(model)
+    try:
+        assert _batched_greedy(model, prompt, [0, 5], n) == stock
+    finally:
+        mlx_fastops.unpatch(model)
