@@ -284,9 +284,11 @@ inline T fo_out(float v, bool has_bias, const device T* bias, int row) {
 // silu(g) * u as mlx-lm's compiled swiglu computes it in T: g and u rounded to T first.
 template <typename T>
 inline T fo_swiglu(T g, T u) {
+  // Rounded where mlx-lm's compiled swiglu rounds: silu(g) = g * sigmoid(g), each op in T.
   float gf = float(g);
-  T s = T(gf / (1.0f + exp(-gf)));
-  return T(float(s) * float(u));
+  T sig = T(1.0f / (1.0f + exp(-gf)));
+  T silu = T(gf * float(sig));
+  return T(float(silu) * float(u));
 }
 
 // Row bookkeeping shared by the bodies.

@@ -54,13 +54,13 @@ def greedy_tokens(model, prompt, n):
     return [t for (t, _), _ in zip(generate_step(prompt, model, max_tokens=n), range(n))]
 
 
-def agreement(model, n=32, seed=1):
+def agreement(model, n=32, seed=1, disable=()):
     """Greedy tokens of stock and patched on one random prompt: (matching prefix, n, first diff)."""
     vocab = model.args.vocab_size
     prompt = mx.random.randint(0, vocab, (16,), key=mx.random.key(seed))
     unpatch(model)
     stock = greedy_tokens(model, prompt, n)
-    patch(model)
+    patch(model, disable=disable)
     fused = greedy_tokens(model, prompt, n)
     same = next((i for i, (a, b) in enumerate(zip(stock, fused)) if a != b), n)
     return {"tokens": n, "matching": same, "identical": same == n, "stock": stock, "patched": fused}
@@ -79,10 +79,10 @@ def machine():
     return info
 
 
-def run(model, label, tests, trials=5, warmup=1, progress=True, seed=0):
-    """tests: list of ("pp"|"tg", n). Returns a result dict (see to_markdown)."""
+def run(model, label, tests, trials=5, warmup=1, progress=True, seed=0, disable=()):
+    """tests: list of ("pp"|"tg", n); disable: fusions left stock. Returns a result dict."""
     vocab = model.args.vocab_size
-    report = patch(model)
+    report = patch(model, disable=disable)
     rows = []
     total = len(tests) * (warmup + trials) * 2
     done = 0
@@ -92,7 +92,10 @@ def run(model, label, tests, trials=5, warmup=1, progress=True, seed=0):
         for trial in range(warmup + trials):
             order = ("stock", "patched") if trial % 2 == 0 else ("patched", "stock")
             for variant in order:
-                (unpatch if variant == "stock" else patch)(model)
+                if variant == "stock":
+                    unpatch(model)
+                else:
+                    patch(model, disable=disable)
                 tps, peak = _measure(model, test, n, vocab, seed + trial)
                 done += 1
                 if progress:
@@ -108,9 +111,8 @@ def run(model, label, tests, trials=5, warmup=1, progress=True, seed=0):
                      "peak_memory_gb": {k: v / 1e9 for k, v in peaks.items()}})
     if progress:
         print("", file=sys.stderr)
-    patch(model)
     return {"model": label, "quant": _quant(model), "machine": machine(), "trials": trials,
-            "rows": rows, "agreement": agreement(model), "patch": report.to_dict()}
+            "rows": rows, "agreement": agreement(model, disable=disable), "patch": report.to_dict()}
 
 
 def _quant(model):

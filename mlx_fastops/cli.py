@@ -41,12 +41,8 @@ def cmd_bench(args):
     gen = args.generation_tokens or (16 if cpu else 128)
     trials = args.num_trials or (3 if cpu else 5)
     model, _, label, note = _load(args)
-    import os
-
-    if args.disable:
-        os.environ["MLX_FASTOPS_DISABLE"] = args.disable
     tests = [("pp", p) for p in prompts if p > 0] + ([("tg", gen)] if gen > 0 else [])
-    result = bench.run(model, label, tests, trials=trials, progress=not args.quiet)
+    result = bench.run(model, label, tests, trials=trials, progress=not args.quiet, disable=args.disable)
     result["note"] = note
     print(bench.to_markdown(result, note))
     print()
@@ -85,7 +81,7 @@ def cmd_generate(args):
     from . import patch
 
     model, tokenizer, label, _ = _load(args)
-    print(patch(model, disable=[d for d in args.disable.split(",") if d]), file=sys.stderr)
+    print(patch(model, disable=args.disable), file=sys.stderr)
     if tokenizer is not None:
         import mlx_lm
 
@@ -127,7 +123,7 @@ def cmd_verify(args):
 
     unpatch(model)
     stock, margins, stock_last = greedy()
-    report = patch(model, disable=[d for d in args.disable.split(",") if d])
+    report = patch(model, disable=args.disable)
     fused, _, fused_last = greedy()
     print(report)
     diff = mx.abs(stock_last.astype(mx.float32) - fused_last.astype(mx.float32))
@@ -157,7 +153,7 @@ def _oracle_table(args, model, prompt, tokens):
     rows = []
     unpatch(model)
     rows.append(("stock", fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)))
-    patch(model)
+    patch(model, disable=args.disable)
     rows.append(("patched", fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)))
     print("against the same model in float32 (dequantised weights), fed stock's tokens:")
     print("| path | max abs logit diff | mean abs logit diff | top-1 = float32 |\n|---|---|---|---|")
@@ -171,8 +167,7 @@ def cmd_profile(args):
     model, _, label, _ = _load(args)
     if not args.stock:
         # Per-op timing evaluates each op on its own, which a compiled decode step (CUDA) cannot do.
-        disable = [d for d in args.disable.split(",") if d] + ["compile"]
-        print(patch(model, disable=disable))
+        print(patch(model, disable=f"{args.disable},compile"))
         print("(profiled without the compiled decode step: each op is evaluated on its own)")
     if args.capture:
         try:

@@ -63,6 +63,11 @@ def disabling(names):
         _patch_disabled.reset(token)
 
 
+def switched_off(name):
+    """A backend's reason for falling back when kernel switch `name` is off, else None."""
+    return f"disabled ({name})" if name in disabled() else None
+
+
 def backend_name():
     """The kernel backend to use: MLX_FASTOPS_BACKEND, or the best one this machine has."""
     name = os.environ.get("MLX_FASTOPS_BACKEND", "auto").strip().lower() or "auto"

@@ -45,7 +45,6 @@ class PatchReport:
     family: str
     backend: str
     entries: list = field(default_factory=list)
-    extra_bytes: int = 0
 
     def add(self, where, fusion, status, backend="", reason=""):
         self.entries.append(Entry(where, fusion, status, backend, reason))
@@ -79,6 +78,12 @@ class PatchReport:
                             for r in self.summary()]}
 
 
+def _decoder_layers(model):
+    """The list that holds the decoder blocks. Not `model.layers`: for qwen2 that property returns
+    a fresh slice (`pipeline_layers`), and assigning into it changes nothing."""
+    return model.model.layers
+
+
 def _family(model):
     layers = getattr(model, "layers", None)
     if not isinstance(model, nn.Module) or not layers:
@@ -98,10 +103,19 @@ class _Patcher:
     def __init__(self, recipe, backend, disabled, report):
         self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
 
-    def select(self, where, fusion, op, **info):
-        """The op function for `fusion`, or None if disabled; records the outcome."""
+    def off(self, fusion):
+        """Why `fusion` is not to be applied (switched off, or not in the family's recipe), or None."""
         if fusion in self.disabled:
-            self.report.add(where, fusion, "skipped", reason="disabled")
+            return "disabled"
+        if fusion not in self.recipe["fusions"]:
+            return f"not in the {self.recipe['family']} recipe"
+        return None
+
+    def select(self, where, fusion, op, **info):
+        """The op function for `fusion` (its backend recorded in the report); None if off."""
+        reason = self.off(fusion)
+        if reason:
+            self.skip(where, fusion, reason)
             return None
         fn, used, reason = ops.select(op, self.backend, **info)
         self.report.add(where, fusion, "fused", used, reason or "")
@@ -111,10 +125,8 @@ class _Patcher:
         self.report.add(where, fusion, "skipped", reason=reason)
 
     def stack(self, where, fusion, modules):
-        if fusion in self.disabled:
-            self.report.add(where, fusion, "skipped", reason="disabled")
-            return None
-        reason = PackedLinear.unsupported(modules)
+        """The layers stacked into one PackedLinear, or None (off or unsupported, reported)."""
+        reason = self.off(fusion) or PackedLinear.unsupported(modules)
         if reason:
             self.skip(where, fusion, reason)
             return None
@@ -126,11 +138,9 @@ class _Patcher:
         w = self.stack(where, "qkv", [attn[names[r]] for r in ("q", "k", "v")])
         if w is not None:
             ops_["qkv"] = self.select(where, "qkv", "qkv_proj", **w.info())
-            if ops_["qkv"] is None:
-                del ops_["qkv"]
         rope = RopeSpec.from_module(attn[names["rope"]])
-        head_dim = (attn[names["q_norm"]].weight.shape[0] if "q_norm" in names
-                    else getattr(attn, "head_dim", None))
+        # From the weights, never hidden_size / n_heads (Qwen3-0.6B: 128, not 1024 / 16).
+        head_dim = attn[names["q"]].weight.shape[0] // attn.n_heads
         if rope is None:
             self.skip(where, "qk_norm_rope", f"RoPE variant {type(attn[names['rope']]).__name__}")
         else:
@@ -138,14 +148,18 @@ class _Patcher:
                              rope=rope, norm="q_norm" in names)
             if fn is not None:
                 ops_["norm_rope"] = fn
-        if "attention" in self.disabled:
-            self.skip(where, "attention", "disabled")
+        reason = self.off("attention")
+        if reason:
+            self.skip(where, "attention", reason)
         else:
             info = {"head_dim": head_dim, "gqa": attn.n_heads // attn.n_kv_heads}
-            ops_["decode"], used, reason = ops.select("decode_attention", self.backend, **info)
-            ops_["prefill"], _, _ = ops.select("flash_attention", self.backend, **info)
-            ops_["quantized"], _, _ = ops.select("quantized_attention", self.backend, **info)
-            self.report.add(where, "attention", "fused", used, reason or "")
+            used, notes = set(), []
+            for key, op in (("decode", "decode_attention"), ("prefill", "flash_attention"),
+                            ("quantized", "quantized_attention")):
+                ops_[key], backend, why = ops.select(op, self.backend, **info)
+                used.add(backend)
+                notes += [f"{op}: {why}"] if why else []
+            self.report.add(where, "attention", "fused", "+".join(sorted(used)), "; ".join(notes))
         return FusedAttention(attn, names, ops_, qkv_weights=w, rope=rope)
 
     def mlp(self, where, mlp):
@@ -153,8 +167,7 @@ class _Patcher:
         w = self.stack(where, "gate_up", [mlp[names["gate"]], mlp[names["up"]]])
         if w is None:
             return mlp
-        fn = self.select(where, "gate_up", "gate_up_silu", **w.info())
-        return mlp if fn is None else FusedMLP(mlp, names, fn, w)
+        return FusedMLP(mlp, names, self.select(where, "gate_up", "gate_up_silu", **w.info()), w)
 
     def block(self, where, block):
         names = self.recipe["block"]
@@ -188,24 +201,13 @@ class _Patcher:
 
     def head(self, model):
         """Returns (object, original class) for the class swap, or None."""
-        inner = model.model
         tied = "lm_head" not in model
-        obj, where = (inner.embed_tokens, "model.embed_tokens") if tied else (model.lm_head, "lm_head")
-        if "lm_head" in self.disabled:
-            self.skip(where, "lm_head", "disabled")
-            return None
-        if tied:
-            if not isinstance(obj, (nn.Embedding, nn.QuantizedEmbedding)):
-                self.skip(where, "lm_head", f"embedding type {type(obj).__name__}")
-                return None
-            reason = PackedLinear.unsupported([obj])
-            w = None if reason else PackedLinear.from_embedding(obj)
-        else:
-            reason = PackedLinear.unsupported([obj])
-            w = None if reason else PackedLinear.stack([obj])
+        obj, where = (model.model.embed_tokens, "model.embed_tokens") if tied else (model.lm_head, "lm_head")
+        reason = self.off("lm_head") or PackedLinear.unsupported([obj])
         if reason:
             self.skip(where, "lm_head", reason)
             return None
+        w = PackedLinear.from_embedding(obj) if tied else PackedLinear.stack([obj])
         fn = self.select(where, "lm_head", "lm_head", **w.info())
         original = type(obj)
         obj.__class__ = head_class(original)
@@ -217,7 +219,8 @@ def patch(model, disable=()):
     """Swap the model's modules for fused ones in place; returns a PatchReport.
 
     Patching an already patched model is a no-op that returns the first report. `disable` takes
-    fusion names (see mlx_fastops.config.FUSIONS), added to MLX_FASTOPS_DISABLE.
+    fusion names (see mlx_fastops.config.FUSIONS; a list or a comma-separated string), added to
+    MLX_FASTOPS_DISABLE.
     """
     state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
     if state is not None:
@@ -225,14 +228,14 @@ def patch(model, disable=()):
     recipe = _family(model)
     disabled = config.disabled(disable)
     backend = config.backend_name()
-    parked = model.__dict__.get(_PARKED)
+    parked = model.__dict__.pop(_PARKED, None)
     if parked is not None and parked["key"] == (backend, frozenset(disabled)):
         # Re-patch after unpatch with the same settings: reuse the fused modules (no re-stacking).
         _swap_in(model, parked)
         return parked["report"]
     report = PatchReport(recipe["family"], backend)
     p = _Patcher(recipe, backend, disabled, report)
-    layers = model.layers
+    layers = _decoder_layers(model)
     originals = list(layers)
     with config.disabling(disabled):
         for i, block in enumerate(originals):
@@ -247,7 +250,7 @@ def patch(model, disable=()):
                                        "fused": fused, "key": (backend, frozenset(disabled)),
                                        "cache_hook": cache_hook, "step": step})
     # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
-    _warm_up(model)
+    _warm_up(model, backend)
     return report
 
 
@@ -286,8 +289,8 @@ def _install_step(model, backend, layers, disabled, report):
     return done  # (inner model object, stock class, fast class)
 
 
-def _warm_up(model):
-    if config.backend_name() == "reference":
+def _warm_up(model, backend):
+    if backend == "reference":
         return
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -301,7 +304,7 @@ def unpatch(model):
     state = model.__dict__.pop(_STATE, None)
     if state is None:
         return False
-    layers = model.layers
+    layers = _decoder_layers(model)
     for i, block in enumerate(state["layers"]):
         layers[i] = block
     if state.get("cache_hook"):
@@ -318,7 +321,7 @@ def unpatch(model):
 
 
 def _swap_in(model, state):
-    layers = model.layers
+    layers = _decoder_layers(model)
     for i, block in enumerate(state["fused"]):
         layers[i] = block
     if state["head"] is not None:
@@ -330,7 +333,6 @@ def _swap_in(model, state):
     if state.get("step"):
         obj, _, fast_cls = state["step"]
         obj.__class__ = fast_cls
-    model.__dict__.pop(_PARKED)
     object.__setattr__(model, _STATE, state)
 
 

@@ -82,7 +82,8 @@ def synthetic_model(name, bits=4, group_size=64, seed=0, dtype=None):
     if name not in CONFIGS:
         raise ValueError(f"unknown synthetic model {name!r}; choose from {sorted(CONFIGS)}")
     if bits not in (None, 0, 2, 3, 4, 5, 6, 8):
-        raise ValueError(f"bits must be 4 or 8 (or None for a float model), got {bits}")
+        raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (fused: 4 and 8) or None for a float "
+                         f"model, got {bits}")
     cfg = dict(CONFIGS[name])
     if dtype is None:
         dtype = mx.float32 if name.endswith(("-cpu", "-tiny")) else mx.bfloat16

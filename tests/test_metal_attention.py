@@ -270,6 +270,7 @@ def test_strict_compile_tier(D, dtype):
     (128, 1, 5, 20, 32, mx.bfloat16),
     (256, 4, 17, 3, 64, mx.float16),
     (128, 8, 33, 0, 128, mx.bfloat16),
+    (128, 2, 1, 0, 64, mx.float16),  # scales of 4 elements: MLX would pass them in `constant` memory
 ], ids=lambda v: str(v).split(".")[-1])
 def test_flash_attention_q8(D, G, qL, offset, group, dtype):
     from mlx_lm.models.base import quantized_scaled_dot_product_attention as stock_q

@@ -42,5 +42,7 @@ def test_qwen3_tiny_greedy_with_metal_kernels(monkeypatch, metal_backend, bits, 
     finally:
         mlx_fastops.unpatch(model)
     assert fused == stock
-    tol = 1e-3 if dtype == mx.float32 else 1.0  # logits std ~12; half-precision noise
-    assert mx.allclose(fused_logits.astype(mx.float32), stock_logits.astype(mx.float32), rtol=tol, atol=tol)
+    err = mx.max(mx.abs(fused_logits.astype(mx.float32) - stock_logits.astype(mx.float32))).item()
+    print(f"max abs logit difference {err}")
+    # logits std ~12; fp32 agrees closely, half precision to its rounding noise (~1% of the logits)
+    assert err <= (1e-3 if dtype == mx.float32 else 0.5), err

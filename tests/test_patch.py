@@ -65,10 +65,12 @@ def test_synthetic_logits_are_peaked_and_tokens_vary():
         assert margins[len(margins) // 2] > 0.5, f"{name}: median top-1/top-2 margin {margins[len(margins) // 2]}"
 
 
-def test_patched_ops_actually_run():
-    model = model_of("qwen3-tiny", 4)
+@pytest.mark.parametrize("name", ["qwen3-tiny", "llama-tiny", "qwen2-tiny"])
+def test_patched_ops_actually_run(name):
+    model = model_of(name, 4)
     mlx_fastops.patch(model)
-    assert all(type(l) is FusedBlock for l in model.layers)
+    # model.model.layers is the list the forward pass iterates (qwen2's Model.layers is a fresh slice)
+    assert all(type(layer) is FusedBlock for layer in model.model.layers)
     assert type(model.layers[0].self_attn) is FusedAttention and type(model.layers[0].mlp) is FusedMLP
     prof = profiler.Profile()
     prof.recording = True

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from .. import config
 from ..kernels import cached_builder, cuda_kernel, read_source
 
 _CTYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
@@ -150,21 +151,18 @@ def _unsupported_linear(in_features, splits, bits, group_size, dtype, bias, **_)
     return None
 
 
-def _switched_off(name):
-    from .. import config
-    return f"disabled (MLX_FASTOPS_DISABLE={name})" if name in config.disabled() else None
 
 
 def unsupported_qkv_proj(**info):
-    return _switched_off("qkv_kernel") or _unsupported_linear(**info)
+    return config.switched_off("qkv_kernel") or _unsupported_linear(**info)
 
 
 def unsupported_lm_head(**info):
-    return _switched_off("lm_head_kernel") or _unsupported_linear(**info)
+    return config.switched_off("lm_head_kernel") or _unsupported_linear(**info)
 
 
 def unsupported_gate_up_silu(**info):
-    return (_switched_off("gate_up_kernel") or _unsupported_linear(**info)
+    return (config.switched_off("gate_up_kernel") or _unsupported_linear(**info)
             or ("bias on gate/up" if info.get("bias") else None))
 
 

@@ -202,7 +202,9 @@ def flash_attention_q8(q, q_keys, q_values, scale, mask=None, group_size=64, bit
     if (isinstance(mask, mx.array) or H % Hk or kL == 0 or qL == 0
             or unsupported_flash_attention_q8(D, H // Hk, q.dtype, None, bits, group_size)
             or kw.dtype != mx.uint32 or vw.dtype != mx.uint32 or kw.shape[-1] * 4 != D or vw.shape[-1] * 4 != D
-            or ks.dtype != q.dtype or vs.dtype != q.dtype or kb.dtype != q.dtype or vb.dtype != q.dtype):
+            or ks.dtype != q.dtype or vs.dtype != q.dtype or kb.dtype != q.dtype or vb.dtype != q.dtype
+            # MLX passes inputs under 8 elements in `constant` memory; the body reads device pointers.
+            or min(ks.size, kb.size, vs.size, vb.size) < 8):
         return reference.quantized_attention(q, q_keys, q_values, scale, mask, group_size, bits)
     return _launch_flash(_flash_kernel(q.dtype, True), q, [kw, ks, kb, vw, vs, vb], scale,
                          mask == "causal", [("GS", group_size)])

@@ -139,7 +139,8 @@ def _rows(x, w):
         return None
     k = x.shape[-1]
     m = x.size // k if k else 0
-    if not 1 <= m <= MAX_ROWS or x.dtype != w.scales.dtype:
+    # Inputs under 8 elements would arrive in `constant` memory, which the bodies do not take.
+    if not 1 <= m <= MAX_ROWS or x.dtype != w.scales.dtype or min(x.size, w.scales.size) < 8:
         return None
     return x.reshape(m, k)
 
@@ -226,25 +227,23 @@ def unsupported_linear(in_features, splits, bits, group_size, dtype, bias=False,
     return None
 
 
-def _switched_off(name):
-    return f"disabled ({name})" if name in config.disabled() else None
 
 
 def unsupported_qkv_proj(**info):
     if len(info.get("splits", ())) != 3:
         return f"qkv needs 3 output segments, got {info.get('splits')}"
-    return _switched_off("qkv_kernel") or unsupported_linear(**info)
+    return config.switched_off("qkv_kernel") or unsupported_linear(**info)
 
 
 def unsupported_gate_up_silu(**info):
     s = info.get("splits", ())
     if len(s) != 2 or s[0] != s[1]:
         return f"gate/up needs 2 equal output segments, got {s}"
-    return _switched_off("gate_up_kernel") or unsupported_linear(**info)
+    return config.switched_off("gate_up_kernel") or unsupported_linear(**info)
 
 
 def unsupported_lm_head(**info):
-    return _switched_off("lm_head_kernel") or unsupported_linear(**info)
+    return config.switched_off("lm_head_kernel") or unsupported_linear(**info)
 
 
 def instantiations():
