@@ -19,7 +19,6 @@ FUSIONS = {
     "residual_norm": "residual add + post-attention RMSNorm in one op",
     "lm_head": "the (tied or untied) output projection",
     "attention": "decode attention and prefill attention ops",
-    "gemv_int8": "GPU GEMV variant that quantises activations to int8 (dp4a / int8 x int4)",
     "fast_decode": "CUDA: whole decoder block in 5 launches (norm+QKV+qk-norm+RoPE+cache write, "
                    "attention, o_proj+residual, norm+gate/up+SiLU, down+residual) with a static KV cache",
     "compile": "CUDA: mx.compile of the whole decode step (fast_decode blocks)",

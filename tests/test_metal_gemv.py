@@ -374,13 +374,9 @@ def test_real_decode_shapes(kind, splits, k, bits, group, dtype, m):
 
 def test_variant_from_environment(monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_GEMV_VARIANT", "int8")
-    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
     assert G._env_variant() == "int8"
-    monkeypatch.setenv("MLX_FASTOPS_DISABLE", "gemv_int8")
-    assert G._env_variant() == "prescaled"
     monkeypatch.setenv("MLX_FASTOPS_GEMV_VARIANT", "int4")
     with pytest.raises(ValueError, match="MLX_FASTOPS_GEMV_VARIANT"):
         G._env_variant()
     monkeypatch.delenv("MLX_FASTOPS_GEMV_VARIANT")
-    monkeypatch.delenv("MLX_FASTOPS_DISABLE")
     assert G._env_variant() == "prescaled"

@@ -11,8 +11,8 @@ patcher falls back to the reference op and reports why.
 Variants (the same for every kernel of the family):
   prescaled  default: float accumulation of pre-scaled x against masked nibbles, deferred dequant
   int8       x quantised to int8 per row in-kernel, int8 x int4/int8 -> int32 inner loop
-Choose with MLX_FASTOPS_GEMV_VARIANT=prescaled|int8 (read at import; `set_variant` at run time);
-MLX_FASTOPS_DISABLE=gemv_int8 forces prescaled. Per-kernel kill switches (MLX_FASTOPS_DISABLE):
+Choose with MLX_FASTOPS_GEMV_VARIANT=prescaled|int8 (read at import; `set_variant` at run time).
+Per-kernel kill switches (MLX_FASTOPS_DISABLE):
 qkv_kernel, gate_up_kernel, lm_head_kernel send that fused op to the reference path (stacked
 weights + one stock quantized_matmul: the zero-kernel baseline), for A/B runs.
 """
@@ -44,8 +44,6 @@ def _env_variant():
     name = os.environ.get("MLX_FASTOPS_GEMV_VARIANT", "prescaled").strip().lower() or "prescaled"
     if name not in VARIANTS:
         raise ValueError(f"MLX_FASTOPS_GEMV_VARIANT={name!r}; expected one of {VARIANTS}")
-    if name == "int8" and "gemv_int8" in config.disabled():
-        return "prescaled"
     return name
 
 
