@@ -1,7 +1,8 @@
 // mlx_fastops: GQA decode attention (one query token), split over the sequence, plus the reduce.
 //
-// Bodies for mx.fast.metal_kernel, split into sections by `// ==== <name> ====` lines;
-// mlx_fastops/backends/metal/attention.py assembles them (decode body = decode_common + a tail).
+// Bodies for mx.fast.metal_kernel, split into sections by `// ==== <name> ====` lines
+// (mlx_fastops.kernels.sections); mlx_fastops/backends/metal/attention.py assembles them
+// (decode body = decode_common + a tail).
 //
 // Design (MNN step 5 extended; kernel-designs.md section 2.4 / 8):
 // - one threadgroup per (chunk of keys, KV head, batch): the G = H / Hkv query heads of the group

@@ -1,8 +1,8 @@
 // mlx_fastops: prefill flash attention, Q.K^T + online softmax + P.V in one kernel, with 8x8
 // simdgroup_matrix MMA (MNN step 11; kernel-designs.md section 5.2).
 //
-// Bodies for mx.fast.metal_kernel, split into sections by `// ==== <name> ====` lines;
-// mlx_fastops/backends/metal/flash_attention.py reads them.
+// Bodies for mx.fast.metal_kernel, split into sections by `// ==== <name> ====` lines
+// (mlx_fastops.kernels.sections); mlx_fastops/backends/metal/attention.py assembles them.
 //
 // One threadgroup = 4 SIMD-groups (128 threads) handles Q_TILE = 16 query rows of one (batch, head)
 // and streams over the keys in KV_TILE = 32 blocks:

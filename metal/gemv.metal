@@ -4,10 +4,11 @@
 // q packed little-endian in uint32 words (4-bit: 8 per word, 8-bit: 4 per word). Scales may be
 // negative: nothing below depends on their sign.
 //
-// Layout of this file: everything up to the first "//@body" line is the kernel `header` (shared
-// helpers); each "//@body NAME" ... "//@end" section is the `source` (body) of one kernel.
-// mlx_fastops/backends/metal/gemv.py splits the file; MLX writes the kernel signature around each
-// body (template <typename T, int BITS, int MR>, inputs x, w, scales, biases, bias, params).
+// Sections (`// ==== <name> ====` lines, split by mlx_fastops.kernels.sections): `header` is the
+// kernel header (shared helpers); the body of kernel KIND (gemv, gate_up, qkv) is
+// `constexpr bool I8 = <variant is int8>;` + `prologue` + section KIND, assembled by
+// mlx_fastops/backends/metal/gemv.py. MLX writes the kernel signature around each body
+// (template <typename T, int BITS, int MR>, inputs x, w, scales, biases, bias, params).
 //
 // Work split (both variants):
 //   threadgroup = 2 SIMD-groups (64 threads); each SIMD-group owns FO_ROWS = 4 weight rows, so a
@@ -32,6 +33,7 @@
 //   qkv:     N0/N1/N2 = Nq/Nk/Nv; tiles [0,T0) -> q, [T0,T1) -> k, [T1,..) -> v (each segment gets
 //            exactly ceil(N_seg/8) threadgroups: the small K/V segments do not idle).
 
+// ==== header ====
 #define FO_ROWS 4
 #define FO_TG 64
 
@@ -52,90 +54,6 @@ inline float4 fo_unpack(ushort4 wv, int j) {
     uint a = uint(wv[2 * j]);
     uint b = uint(wv[2 * j + 1]);
     return float4(float(a & 0x00ffu), float(a & 0xff00u), float(b & 0x00ffu), float(b & 0xff00u));
-  }
-}
-
-// Stage one K block of the MR activation rows: prescaled float4s, lane-major
-// (xs[(m * NQ + j) * 32 + lane]) so SIMD-group reads are contiguous, plus the raw sum per lane chunk.
-template <typename T, int BITS, int MR>
-inline void fo_stage_prescaled(const device T* x, int M, int K, int k0, int tid,
-                               threadgroup float4* xs, threadgroup float* xsum) {
-  const int VPL = 64 / BITS;
-  const int NQ = VPL / 4;
-  const float4 pre = fo_prescale<BITS>();
-  for (int jb = tid; jb < MR * 32; jb += FO_TG) {
-    int m = jb / 32;
-    int ln = jb % 32;
-    int k = k0 + ln * VPL;
-    float s = 0.0f;
-    if (m < M && k < K) {
-      const device T* xp = x + m * K + k;
-      for (int j = 0; j < NQ; j++) {
-        float4 v = float4(float(xp[4 * j]), float(xp[4 * j + 1]), float(xp[4 * j + 2]),
-                          float(xp[4 * j + 3]));
-        s += (v.x + v.y) + (v.z + v.w);
-        xs[(m * NQ + j) * 32 + ln] = v * pre;
-      }
-    } else {
-      for (int j = 0; j < NQ; j++) {
-        xs[(m * NQ + j) * 32 + ln] = float4(0.0f);
-      }
-    }
-    xsum[m * 32 + ln] = s;
-  }
-}
-
-// Prescaled-float GEMV core. rows: the SIMD-group's FO_ROWS weight rows (already clamped to valid
-// rows). res[r * MR + m] receives the full dot product of row r with activation row m, in every lane.
-template <typename T, int BITS, int MR>
-inline void fo_gemv_prescaled(const device T* x, const device uint32_t* w,
-                              const device T* scales, const device T* biases,
-                              int K, int GS, int M, const thread int* rows,
-                              threadgroup float4* xs, threadgroup float* xsum,
-                              int tid, int ln, thread float* res) {
-  const int VPL = 64 / BITS;
-  const int NQ = VPL / 4;
-  const int BLOCK = 32 * VPL;
-  const int G = K / GS;
-  const int W8 = K / VPL;  // 8-byte words per weight row
-  float acc[FO_ROWS * MR];
-  for (int i = 0; i < FO_ROWS * MR; i++) {
-    acc[i] = 0.0f;
-  }
-  const device ushort4* w8 = (const device ushort4*)w;
-  for (int k0 = 0; k0 < K; k0 += BLOCK) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // previous block fully consumed
-    fo_stage_prescaled<T, BITS, MR>(x, M, K, k0, tid, xs, xsum);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    int k = k0 + ln * VPL;
-    if (k < K) {
-      int g = k / GS;
-      ushort4 wv[FO_ROWS];
-      float sc[FO_ROWS];
-      float bi[FO_ROWS];
-      for (int r = 0; r < FO_ROWS; r++) {
-        wv[r] = w8[rows[r] * W8 + k / VPL];
-        sc[r] = float(scales[rows[r] * G + g]);
-        bi[r] = float(biases[rows[r] * G + g]);
-      }
-      for (int m = 0; m < MR; m++) {
-        float4 xv[NQ];
-        for (int j = 0; j < NQ; j++) {
-          xv[j] = xs[(m * NQ + j) * 32 + ln];
-        }
-        float xsm = xsum[m * 32 + ln];
-        for (int r = 0; r < FO_ROWS; r++) {
-          float d = 0.0f;
-          for (int j = 0; j < NQ; j++) {
-            d += dot(xv[j], fo_unpack<BITS>(wv[r], j));
-          }
-          acc[r * MR + m] += sc[r] * d + bi[r] * xsm;
-        }
-      }
-    }
-  }
-  for (int i = 0; i < FO_ROWS * MR; i++) {
-    res[i] = simd_sum(acc[i]);
   }
 }
 
@@ -160,35 +78,6 @@ inline void fo_row_scales(const device T* x, int M, int K, int tid, int sg, int 
   for (int m = 0; m < MR; m++) {
     float a = max(xmax[2 * m], xmax[2 * m + 1]);
     xscl[m] = a > 0.0f ? a / 127.0f : 1.0f;
-  }
-}
-
-template <typename T, int BITS, int MR>
-inline void fo_stage_int8(const device T* x, int M, int K, int k0, int tid, const thread float* xscl,
-                          threadgroup char4* xq, threadgroup float* xsum) {
-  const int VPL = 64 / BITS;
-  const int NQ = VPL / 4;
-  for (int jb = tid; jb < MR * 32; jb += FO_TG) {
-    int m = jb / 32;
-    int ln = jb % 32;
-    int k = k0 + ln * VPL;
-    float s = 0.0f;
-    if (m < M && k < K) {
-      const device T* xp = x + m * K + k;
-      float inv = 1.0f / xscl[m];
-      for (int j = 0; j < NQ; j++) {
-        float4 v = float4(float(xp[4 * j]), float(xp[4 * j + 1]), float(xp[4 * j + 2]),
-                          float(xp[4 * j + 3]));
-        s += (v.x + v.y) + (v.z + v.w);
-        float4 qv = clamp(rint(v * inv), float4(-127.0f), float4(127.0f));
-        xq[(m * NQ + j) * 32 + ln] = char4(qv);
-      }
-    } else {
-      for (int j = 0; j < NQ; j++) {
-        xq[(m * NQ + j) * 32 + ln] = char4(0);
-      }
-    }
-    xsum[m * 32 + ln] = s;
   }
 }
 
@@ -220,27 +109,100 @@ inline int fo_idot(ushort4 wv, const thread char4* xv) {
   }
 }
 
-template <typename T, int BITS, int MR>
-inline void fo_gemv_int8(const device T* x, const device uint32_t* w,
-                         const device T* scales, const device T* biases,
-                         int K, int GS, int M, const thread int* rows,
-                         threadgroup char4* xq, threadgroup float* xsum, threadgroup float* xmax,
-                         int tid, int sg, int ln, thread float* res) {
+// What the two variants differ in, as the specialisations fo_var<BITS, I8>:
+//   X          staged input element (float4 prescaled values or char4 int8 values), NQ per lane chunk;
+//   factor     what row m's inputs are multiplied by when staged (prescale pattern or 1 / x_scale);
+//   stage      a float4 of inputs times the factor, as stored;
+//   chunk_dot  one lane's dot product of an 8-byte weight chunk with its NQ staged values;
+//   scale      what chunk_dot is multiplied by (the group scale, times x_scale for int8).
+// A lane chunk of row r, activation row m adds scale * chunk_dot + bias * sum(x) to its accumulator.
+template <int BITS, bool I8>
+struct fo_var;
+
+template <int BITS>
+struct fo_var<BITS, false> {
+  typedef float4 X;
+  static float4 factor(const thread float* xscl, int m) { return fo_prescale<BITS>(); }
+  static X stage(float4 v, float4 f) { return v * f; }
+  static float chunk_dot(ushort4 wv, const thread X* xv) {
+    float d = 0.0f;
+    for (int j = 0; j < 16 / BITS; j++) {
+      d += dot(xv[j], fo_unpack<BITS>(wv, j));
+    }
+    return d;
+  }
+  static float scale(float sc, const thread float* xscl, int m) { return sc; }
+};
+
+template <int BITS>
+struct fo_var<BITS, true> {
+  typedef char4 X;
+  static float4 factor(const thread float* xscl, int m) { return float4(1.0f / xscl[m]); }
+  static X stage(float4 v, float4 f) {
+    return char4(clamp(rint(v * f), float4(-127.0f), float4(127.0f)));
+  }
+  static float chunk_dot(ushort4 wv, const thread X* xv) { return float(fo_idot<BITS, 16 / BITS>(wv, xv)); }
+  static float scale(float sc, const thread float* xscl, int m) { return sc * xscl[m]; }
+};
+
+// Stage one K block of the MR activation rows: lane-major (xs[(m * NQ + j) * 32 + lane]) so
+// SIMD-group reads are contiguous, plus the raw sum per lane chunk. xscl: int8 row scales.
+template <typename T, int BITS, int MR, bool I8>
+inline void fo_stage(const device T* x, int M, int K, int k0, int tid, const thread float* xscl,
+                     threadgroup typename fo_var<BITS, I8>::X* xs, threadgroup float* xsum) {
+  typedef fo_var<BITS, I8> V;
+  const int VPL = 64 / BITS;
+  const int NQ = VPL / 4;
+  for (int jb = tid; jb < MR * 32; jb += FO_TG) {
+    int m = jb / 32;
+    int ln = jb % 32;
+    int k = k0 + ln * VPL;
+    float s = 0.0f;
+    if (m < M && k < K) {
+      const device T* xp = x + m * K + k;
+      float4 f = V::factor(xscl, m);
+      for (int j = 0; j < NQ; j++) {
+        float4 v = float4(float(xp[4 * j]), float(xp[4 * j + 1]), float(xp[4 * j + 2]),
+                          float(xp[4 * j + 3]));
+        s += (v.x + v.y) + (v.z + v.w);
+        xs[(m * NQ + j) * 32 + ln] = V::stage(v, f);
+      }
+    } else {
+      for (int j = 0; j < NQ; j++) {
+        xs[(m * NQ + j) * 32 + ln] = typename V::X(0);
+      }
+    }
+    xsum[m * 32 + ln] = s;
+  }
+}
+
+// GEMV core of both variants. rows: the SIMD-group's FO_ROWS weight rows (already clamped to valid
+// rows). res[r * MR + m] receives the full dot product of row r with activation row m, in every lane.
+// xmax: 2 * MR floats of scratch for the int8 row scales (unused by prescaled).
+template <typename T, int BITS, int MR, bool I8>
+inline void fo_gemv(const device T* x, const device uint32_t* w,
+                    const device T* scales, const device T* biases,
+                    int K, int GS, int M, const thread int* rows,
+                    threadgroup typename fo_var<BITS, I8>::X* xs, threadgroup float* xsum,
+                    threadgroup float* xmax, int tid, int sg, int ln, thread float* res) {
+  typedef fo_var<BITS, I8> V;
   const int VPL = 64 / BITS;
   const int NQ = VPL / 4;
   const int BLOCK = 32 * VPL;
   const int G = K / GS;
-  const int W8 = K / VPL;
+  const int W8 = K / VPL;  // 8-byte words per weight row
   float xscl[MR];
-  fo_row_scales<T, MR>(x, M, K, tid, sg, ln, xmax, xscl);
+  if (I8) {
+    fo_row_scales<T, MR>(x, M, K, tid, sg, ln, xmax, xscl);
+  }
   float acc[FO_ROWS * MR];
   for (int i = 0; i < FO_ROWS * MR; i++) {
     acc[i] = 0.0f;
   }
   const device ushort4* w8 = (const device ushort4*)w;
   for (int k0 = 0; k0 < K; k0 += BLOCK) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    fo_stage_int8<T, BITS, MR>(x, M, K, k0, tid, xscl, xq, xsum);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // previous block fully consumed
+    fo_stage<T, BITS, MR, I8>(x, M, K, k0, tid, xscl, xs, xsum);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     int k = k0 + ln * VPL;
     if (k < K) {
@@ -254,14 +216,13 @@ inline void fo_gemv_int8(const device T* x, const device uint32_t* w,
         bi[r] = float(biases[rows[r] * G + g]);
       }
       for (int m = 0; m < MR; m++) {
-        char4 xv[NQ];
+        typename V::X xv[NQ];
         for (int j = 0; j < NQ; j++) {
-          xv[j] = xq[(m * NQ + j) * 32 + ln];
+          xv[j] = xs[(m * NQ + j) * 32 + ln];
         }
         float xsm = xsum[m * 32 + ln];
         for (int r = 0; r < FO_ROWS; r++) {
-          int isum = fo_idot<BITS, NQ>(wv[r], xv);
-          acc[r * MR + m] += (sc[r] * xscl[m]) * float(isum) + bi[r] * xsm;
+          acc[r * MR + m] += V::scale(sc[r], xscl, m) * V::chunk_dot(wv[r], xv) + bi[r] * xsm;
         }
       }
     }
@@ -311,9 +272,26 @@ inline void fo_gate_up_rows(int tile, int sg, int n_inter, thread int* rows, thr
   }
 }
 
-//@body gemv
-threadgroup float4 xs[MR * (16 / BITS) * 32];
+// Write-back of gemv and qkv: lane r * MR + m holds row r x activation row m; outs[r] is the output
+// column in dst [M, n], brow[r] the row of `bias`.
+template <typename T, int MR>
+inline void fo_write(device T* dst, int n, int M, int ln, const thread int* outs,
+                     const thread int* brow, const thread float* res, bool has_bias,
+                     const device T* bias) {
+  for (int r = 0; r < FO_ROWS; r++) {
+    for (int m = 0; m < MR; m++) {
+      if (ln == r * MR + m && outs[r] < n && m < M) {
+        dst[m * n + outs[r]] = fo_out<T>(res[r * MR + m], has_bias, bias, brow[r]);
+      }
+    }
+  }
+}
+
+// ==== prologue ====
+typedef typename fo_var<BITS, I8>::X FoX;  // staged input element of the variant
+threadgroup FoX xs[MR * (16 / BITS) * 32];
 threadgroup float xsum[MR * 32];
+threadgroup float xmax[I8 ? MR * 2 : 1];
 int tid = int(thread_index_in_threadgroup);
 int sg = int(simdgroup_index_in_threadgroup);
 int ln = int(thread_index_in_simdgroup);
@@ -322,65 +300,22 @@ int K = params[0];
 int GS = params[1];
 int M = params[2];
 bool has_bias = params[3] != 0;
+float res[FO_ROWS * MR];
+
+// ==== gemv ====
 int N = params[4];
 int rows[FO_ROWS];
 int outs[FO_ROWS];
 fo_plain_rows(tile, sg, N, rows, outs);
-float res[FO_ROWS * MR];
-fo_gemv_prescaled<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xs, xsum, tid, ln, res);
-for (int r = 0; r < FO_ROWS; r++) {
-  for (int m = 0; m < MR; m++) {
-    if (ln == r * MR + m && outs[r] < N && m < M) {
-      out[m * N + outs[r]] = fo_out<T>(res[r * MR + m], has_bias, bias, outs[r]);
-    }
-  }
-}
-//@end
+fo_gemv<T, BITS, MR, I8>(x, w, scales, biases, K, GS, M, rows, xs, xsum, xmax, tid, sg, ln, res);
+fo_write<T, MR>(out, N, M, ln, outs, outs, res, has_bias, bias);
 
-//@body gemv_i8
-threadgroup char4 xq[MR * (16 / BITS) * 32];
-threadgroup float xsum[MR * 32];
-threadgroup float xmax[MR * 2];
-int tid = int(thread_index_in_threadgroup);
-int sg = int(simdgroup_index_in_threadgroup);
-int ln = int(thread_index_in_simdgroup);
-int tile = int(threadgroup_position_in_grid.x);
-int K = params[0];
-int GS = params[1];
-int M = params[2];
-bool has_bias = params[3] != 0;
-int N = params[4];
-int rows[FO_ROWS];
-int outs[FO_ROWS];
-fo_plain_rows(tile, sg, N, rows, outs);
-float res[FO_ROWS * MR];
-fo_gemv_int8<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xq, xsum, xmax, tid, sg, ln, res);
-for (int r = 0; r < FO_ROWS; r++) {
-  for (int m = 0; m < MR; m++) {
-    if (ln == r * MR + m && outs[r] < N && m < M) {
-      out[m * N + outs[r]] = fo_out<T>(res[r * MR + m], has_bias, bias, outs[r]);
-    }
-  }
-}
-//@end
-
-//@body gate_up
-threadgroup float4 xs[MR * (16 / BITS) * 32];
-threadgroup float xsum[MR * 32];
-int tid = int(thread_index_in_threadgroup);
-int sg = int(simdgroup_index_in_threadgroup);
-int ln = int(thread_index_in_simdgroup);
-int tile = int(threadgroup_position_in_grid.x);
-int K = params[0];
-int GS = params[1];
-int M = params[2];
-bool has_bias = params[3] != 0;
+// ==== gate_up ====
 int NI = params[4];
 int rows[FO_ROWS];
 int outs[2];
 fo_gate_up_rows(tile, sg, NI, rows, outs);
-float res[FO_ROWS * MR];
-fo_gemv_prescaled<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xs, xsum, tid, ln, res);
+fo_gemv<T, BITS, MR, I8>(x, w, scales, biases, K, GS, M, rows, xs, xsum, xmax, tid, sg, ln, res);
 for (int r = 0; r < 2; r++) {
   for (int m = 0; m < MR; m++) {
     if (ln == r * MR + m && outs[r] < NI && m < M) {
@@ -390,48 +325,8 @@ for (int r = 0; r < 2; r++) {
     }
   }
 }
-//@end
 
-//@body gate_up_i8
-threadgroup char4 xq[MR * (16 / BITS) * 32];
-threadgroup float xsum[MR * 32];
-threadgroup float xmax[MR * 2];
-int tid = int(thread_index_in_threadgroup);
-int sg = int(simdgroup_index_in_threadgroup);
-int ln = int(thread_index_in_simdgroup);
-int tile = int(threadgroup_position_in_grid.x);
-int K = params[0];
-int GS = params[1];
-int M = params[2];
-bool has_bias = params[3] != 0;
-int NI = params[4];
-int rows[FO_ROWS];
-int outs[2];
-fo_gate_up_rows(tile, sg, NI, rows, outs);
-float res[FO_ROWS * MR];
-fo_gemv_int8<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xq, xsum, xmax, tid, sg, ln, res);
-for (int r = 0; r < 2; r++) {
-  for (int m = 0; m < MR; m++) {
-    if (ln == r * MR + m && outs[r] < NI && m < M) {
-      T g = fo_out<T>(res[r * MR + m], has_bias, bias, rows[r]);
-      T u = fo_out<T>(res[(r + 2) * MR + m], has_bias, bias, rows[r + 2]);
-      y[m * NI + outs[r]] = fo_swiglu<T>(g, u);
-    }
-  }
-}
-//@end
-
-//@body qkv
-threadgroup float4 xs[MR * (16 / BITS) * 32];
-threadgroup float xsum[MR * 32];
-int tid = int(thread_index_in_threadgroup);
-int sg = int(simdgroup_index_in_threadgroup);
-int ln = int(thread_index_in_simdgroup);
-int tile = int(threadgroup_position_in_grid.x);
-int K = params[0];
-int GS = params[1];
-int M = params[2];
-bool has_bias = params[3] != 0;
+// ==== qkv ====
 int seg = tile < params[7] ? 0 : (tile < params[8] ? 1 : 2);
 int seg_tile = tile - (seg == 0 ? 0 : (seg == 1 ? params[7] : params[8]));
 int seg_n = params[4 + seg];
@@ -443,47 +338,5 @@ fo_plain_rows(seg_tile, sg, seg_n, rows, outs);
 for (int r = 0; r < FO_ROWS; r++) {
   rows[r] += seg_row0;
 }
-float res[FO_ROWS * MR];
-fo_gemv_prescaled<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xs, xsum, tid, ln, res);
-for (int r = 0; r < FO_ROWS; r++) {
-  for (int m = 0; m < MR; m++) {
-    if (ln == r * MR + m && outs[r] < seg_n && m < M) {
-      dst[m * seg_n + outs[r]] = fo_out<T>(res[r * MR + m], has_bias, bias, rows[r]);
-    }
-  }
-}
-//@end
-
-//@body qkv_i8
-threadgroup char4 xq[MR * (16 / BITS) * 32];
-threadgroup float xsum[MR * 32];
-threadgroup float xmax[MR * 2];
-int tid = int(thread_index_in_threadgroup);
-int sg = int(simdgroup_index_in_threadgroup);
-int ln = int(thread_index_in_simdgroup);
-int tile = int(threadgroup_position_in_grid.x);
-int K = params[0];
-int GS = params[1];
-int M = params[2];
-bool has_bias = params[3] != 0;
-int seg = tile < params[7] ? 0 : (tile < params[8] ? 1 : 2);
-int seg_tile = tile - (seg == 0 ? 0 : (seg == 1 ? params[7] : params[8]));
-int seg_n = params[4 + seg];
-int seg_row0 = seg == 0 ? 0 : (seg == 1 ? params[4] : params[4] + params[5]);
-device T* dst = seg == 0 ? q : (seg == 1 ? k : v);
-int rows[FO_ROWS];
-int outs[FO_ROWS];
-fo_plain_rows(seg_tile, sg, seg_n, rows, outs);
-for (int r = 0; r < FO_ROWS; r++) {
-  rows[r] += seg_row0;
-}
-float res[FO_ROWS * MR];
-fo_gemv_int8<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xq, xsum, xmax, tid, sg, ln, res);
-for (int r = 0; r < FO_ROWS; r++) {
-  for (int m = 0; m < MR; m++) {
-    if (ln == r * MR + m && outs[r] < seg_n && m < M) {
-      dst[m * seg_n + outs[r]] = fo_out<T>(res[r * MR + m], has_bias, bias, rows[r]);
-    }
-  }
-}
-//@end
+fo_gemv<T, BITS, MR, I8>(x, w, scales, biases, K, GS, M, rows, xs, xsum, xmax, tid, sg, ln, res);
+fo_write<T, MR>(dst, seg_n, M, ln, outs, rows, res, has_bias, bias);

@@ -1,7 +1,8 @@
 // mlx_fastops: RMSNorm with the residual add fused, and per-head q/k RMSNorm + RoPE in one kernel.
 //
 // Bodies for mx.fast.metal_kernel (MLX writes the signatures). The file is split into sections by
-// the `// ==== <name> ====` lines; mlx_fastops/backends/metal/norm_rope.py reads them.
+// the `// ==== <name> ====` lines (mlx_fastops.kernels.sections); mlx_fastops/backends/metal/norm_rope.py
+// reads them.
 //
 // Numerics follow MLX's own kernels so the fused path rounds where stock rounds:
 //   rms_norm: sum of squares in float, precise::rsqrt(mean + eps), out = w * T(x * inv) (weight

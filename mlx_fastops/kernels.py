@@ -30,6 +30,35 @@ def read_source(kind, filename):
     return (data_dir(kind) / filename).read_text()
 
 
+_SECTION = "// ==== "
+
+
+@functools.lru_cache(maxsize=None)
+def sections(kind, filename):
+    """{section name: text} of a sectioned kernel source file (`kind`/`filename`).
+
+    A line `// ==== name ====` starts section `name`, which runs to the next such line; text
+    before the first one (the file's comment) belongs to no section. Each text ends in a newline.
+    """
+    out, name, lines = {}, None, []
+    for line in read_source(kind, filename).splitlines():
+        s = line.strip()
+        if s.startswith(_SECTION) and s.endswith(" ===="):
+            if name is not None:
+                out[name] = "\n".join(lines) + "\n"
+            name, lines = s[len(_SECTION):-len(" ====")].strip(), []
+        elif name is not None:
+            lines.append(line)
+    if name is not None:
+        out[name] = "\n".join(lines) + "\n"
+    return out
+
+
+def dtype_tag(dtype):
+    """Short dtype name for kernel names (f16, bf16, f32)."""
+    return {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32"}.get(dtype, str(dtype))
+
+
 _builders = []
 
 

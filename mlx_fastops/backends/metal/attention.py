@@ -18,7 +18,6 @@ import mlx.core as mx
 
 from ... import kernels
 from .. import reference
-from .norm_rope import _tag, sections
 
 ATTN_SOURCE = "attention.metal"
 FLASH_SOURCE = "flash_attention.metal"
@@ -31,6 +30,11 @@ _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 TARGET_TGS = 128
 MIN_CHUNK = 128
 MAX_CHUNKS = 128
+
+
+def sections(filename):
+    """{section name: text} of a sectioned metal/*.metal file (see kernels.sections)."""
+    return kernels.sections("metal", filename)
 
 
 def _check_info(head_dim=None, gqa=None, dtype=None):
@@ -67,7 +71,7 @@ def _decode_kernel(dtype, split):
     s = sections(ATTN_SOURCE)
     tail = s["decode_tail_split" if split else "decode_tail_single"]
     return kernels.metal_kernel(
-        name=f"fastops_decode_attention_{'split' if split else 'single'}_{_tag(dtype)}",
+        name=f"fastops_decode_attention_{'split' if split else 'single'}_{kernels.dtype_tag(dtype)}",
         input_names=["q", "k", "v", "kv_len", "kv_chunk", "scale"],
         output_names=["o_part", "m_part", "l_part"] if split else ["out"],
         source=s["decode_common"] + tail,
@@ -80,7 +84,7 @@ def _decode_kernel(dtype, split):
 def _reduce_kernel(dtype):
     s = sections(ATTN_SOURCE)
     return kernels.metal_kernel(
-        name=f"fastops_decode_reduce_{_tag(dtype)}",
+        name=f"fastops_decode_reduce_{kernels.dtype_tag(dtype)}",
         input_names=["o_part", "m_part", "l_part"],
         output_names=["out"],
         source=s["decode_reduce"],
@@ -133,7 +137,7 @@ def _flash_kernel(dtype, quant=False):
     s = sections(FLASH_SOURCE)
     kv = ["k", "k_scales", "k_biases", "v", "v_scales", "v_biases"] if quant else ["k", "v"]
     return kernels.metal_kernel(
-        name=f"fastops_flash_attention{'_q8' if quant else ''}_{_tag(dtype)}",
+        name=f"fastops_flash_attention{'_q8' if quant else ''}_{kernels.dtype_tag(dtype)}",
         input_names=["q", *kv, "scale"],
         output_names=["out"],
         source=s["loads_q8" if quant else "loads_float"] + s["flash_attention"],

@@ -69,20 +69,12 @@ def variant():
 
 @functools.lru_cache(maxsize=None)
 def sections():
-    """(header, {body name: body}) of metal/gemv.metal."""
-    text = kernels.read_source("metal", "gemv.metal")
-    header, bodies, name, lines = [], {}, None, []
-    for line in text.splitlines():
-        if line.startswith("//@body "):
-            name, lines = line.split()[1], []
-        elif line.startswith("//@end"):
-            bodies[name] = "\n".join(lines) + "\n"
-            name = None
-        elif name is not None:
-            lines.append(line)
-        else:
-            header.append(line)
-    return "\n".join(header) + "\n", bodies
+    """(header, {kernel name: body}) of metal/gemv.metal: one body per (kind, variant), the kind's
+    section after the shared `prologue`, the variant chosen by the `I8` constant in front."""
+    s = kernels.sections("metal", "gemv.metal")
+    bodies = {kernel_name(kind, var): f"constexpr bool I8 = {str(var == 'int8').lower()};\n"
+              + s["prologue"] + s[kind] for kind in _OUTPUTS for var in VARIANTS}
+    return s["header"], bodies
 
 
 def kernel_name(kind, var):

@@ -25,22 +25,9 @@ MAX_HIDDEN = 16384
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
-@functools.lru_cache(maxsize=None)
 def sections(filename):
-    """{section name: text} of a sectioned metal/*.metal file (`// ==== name ====` lines)."""
-    text = kernels.read_source("metal", filename)
-    out, name, lines = {}, None, []
-    for line in text.splitlines():
-        s = line.strip()
-        if s.startswith("// ==== ") and s.endswith(" ===="):
-            if name is not None:
-                out[name] = "\n".join(lines) + "\n"
-            name, lines = s[len("// ==== "):-len(" ====")].strip(), []
-        elif name is not None:
-            lines.append(line)
-    if name is not None:
-        out[name] = "\n".join(lines) + "\n"
-    return out
+    """{section name: text} of a sectioned metal/*.metal file (see kernels.sections)."""
+    return kernels.sections("metal", filename)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,7 +44,7 @@ def _norm_threads(hidden):
 def _rms_kernel(dtype):
     s = sections(SOURCE)
     return kernels.metal_kernel(
-        name=f"fastops_rms_norm_residual_{_tag(dtype)}",
+        name=f"fastops_rms_norm_residual_{kernels.dtype_tag(dtype)}",
         input_names=["x", "residual", "weight", "eps"],
         output_names=["h", "n"],
         source=s["rms_norm_residual"],
@@ -101,7 +88,7 @@ _ROWS_PER_TG = 4  # SIMD-groups (rows) per threadgroup
 def _qk_kernel(dtype):
     s = sections(SOURCE)
     return kernels.metal_kernel(
-        name=f"fastops_qk_norm_rope_{_tag(dtype)}",
+        name=f"fastops_qk_norm_rope_{kernels.dtype_tag(dtype)}",
         input_names=["q", "k", "q_w", "k_w", "inv_freq", "offset", "eps", "scale"],
         output_names=["q_out", "k_out"],
         source=s["qk_norm_rope"],
@@ -186,7 +173,3 @@ def qk_norm_rope(q, k, q_norm, k_norm, eps, rope, offset):
         output_dtypes=[q.dtype, q.dtype],
     )
     return qo, ko
-
-
-def _tag(dtype):
-    return {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32"}.get(dtype, str(dtype))
