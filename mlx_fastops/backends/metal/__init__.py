@@ -4,11 +4,25 @@ Each op function has the reference signature (mlx_fastops.backends.reference); a
 `unsupported_<op>(**info)` returns why a static shape class must fall back to the reference.
 """
 
-from .gemv import gate_up_silu, lm_head, qkv_proj  # noqa: E402,F401
-from .gemv import unsupported_gate_up_silu, unsupported_lm_head, unsupported_qkv_proj  # noqa: E402,F401
-from .attention import decode_attention, flash_attention  # noqa: E402,F401
-from .attention import unsupported_decode_attention, unsupported_flash_attention  # noqa: E402,F401
-from .norm_rope import qk_norm_rope, rms_norm_residual  # noqa: E402,F401
-from .norm_rope import unsupported_qk_norm_rope, unsupported_rms_norm_residual  # noqa: E402,F401
-from .attention import flash_attention_q8 as quantized_attention  # noqa: E402,F401
-from .attention import unsupported_flash_attention_q8 as unsupported_quantized_attention  # noqa: E402,F401
+from .attention import (  # noqa: F401
+    decode_attention,
+    flash_attention,
+    unsupported_decode_attention,
+    unsupported_flash_attention,
+)
+from .attention import flash_attention_q8 as quantized_attention  # noqa: F401
+from .attention import unsupported_flash_attention_q8 as unsupported_quantized_attention  # noqa: F401
+from .gemv import (  # noqa: F401
+    gate_up_silu,
+    lm_head,
+    qkv_proj,
+    unsupported_gate_up_silu,
+    unsupported_lm_head,
+    unsupported_qkv_proj,
+)
+from .norm_rope import (  # noqa: F401
+    qk_norm_rope,
+    rms_norm_residual,
+    unsupported_qk_norm_rope,
+    unsupported_rms_norm_residual,
+)

@@ -119,7 +119,6 @@ def inv_freq(rope):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _dummy_weight(dtype, d):
     """Ones standing in for the norm weights when NORM is off (built once: this is the hot path)."""
     w = mx.ones((d,), dtype=dtype)
