@@ -18,6 +18,7 @@ from mlx_lm.generate import generate_step
 
 from . import __version__, patch, unpatch
 from .config import backend_name
+from .models import quant_label
 
 TG_PROMPT = 32
 
@@ -111,14 +112,8 @@ def run(model, label, tests, trials=5, warmup=1, progress=True, seed=0, disable=
                      "peak_memory_gb": {k: v / 1e9 for k, v in peaks.items()}})
     if progress:
         print("", file=sys.stderr)
-    return {"model": label, "quant": _quant(model), "machine": machine(), "trials": trials,
+    return {"model": label, "quant": quant_label(model), "machine": machine(), "trials": trials,
             "rows": rows, "agreement": agreement(model, disable=disable), "patch": report.to_dict()}
-
-
-def _quant(model):
-    from .models import quant_label
-
-    return quant_label(model)
 
 
 def _stats(xs):

@@ -21,6 +21,7 @@ import importlib
 
 import mlx.core as mx
 
+from ..config import backend_name
 from .weights import PackedLinear, RopeSpec
 
 OPS = (
@@ -65,12 +66,6 @@ def select(op, backend, **info):
     return getattr(backend_module("reference"), op), "reference", reason
 
 
-def _default_backend():
-    from ..config import backend_name
-
-    return backend_name()
-
-
 def _check_activation(x, name="x"):
     if not isinstance(x, mx.array):
         raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")
@@ -87,7 +82,7 @@ def _check_linear(x, w):
 
 
 def _run(op, args, info, backend):
-    fn, _, _ = select(op, backend or _default_backend(), **info)
+    fn, _, _ = select(op, backend or backend_name(), **info)
     return fn(*args)
 
 
