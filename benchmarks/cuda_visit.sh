@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: CUDA tests, then benchmarks; logs to $OUT. Usage (after install.sh):
-#   bash benchmarks/cuda_visit.sh [verify|tests|quick|bench|kernels|full]
+#   bash benchmarks/cuda_visit.sh [check|trace|verify|tests|quick|bench|kernels|full]
 set -o pipefail
 mode=${1:-quick}
 export PYTHONUNBUFFERED=1
@@ -13,6 +13,21 @@ if [ "$mode" = "verify" ]; then
   M='1-qwen3-tiny-4 or 2-qwen3-tiny-4 or 1-llama-tiny-4 or 2-qwen2-tiny-4 or 1-qwen3-tiny-8'
   timeout 170 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -k "test_greedy and ($M)" -p no:cacheprovider 2>&1 | grep -v '^$' | tail -40 > "$OUT/test_models.log"
   cat "$OUT/test_kernels.log" "$OUT/test_models.log" | grep -v INFO
+  exit 0
+fi
+if [ "$mode" = "check" ]; then
+  timeout 240 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
+  tail -15 "$OUT/test_kernels.log"
+  timeout 200 python3 -m pytest -m cuda -q -rf tests/test_cuda_models.py -k "real_sizes" -p no:cacheprovider > "$OUT/test_real.log" 2>&1
+  tail -15 "$OUT/test_real.log"
+  timeout 120 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1
+  grep -v Warning "$OUT/trace.log" | tail -40
+  exit 0
+fi
+if [ "$mode" = "trace" ]; then
+  timeout 150 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1
+  timeout 200 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -k "real_size or fp32" -p no:cacheprovider > "$OUT/oracle.log" 2>&1
+  tail -5 "$OUT/oracle.log"; cat "$OUT/trace.log" | grep -v Warning | tail -45
   exit 0
 fi
 if [ "$mode" = "quick" ] || [ "$mode" = "full" ] || [ "$mode" = "tests" ]; then

@@ -3,32 +3,37 @@
 //   o[b, l, h, :] = sum_{j < n} softmax_j(scale * q[b,l,h,:] . K[b,h/G,j,:]) V[b,h/G,j,:]
 //   n = off[0] + l + 1   (query l of this step sits at position off[0] + l; causal over new tokens)
 //
-// q, o: [B, L, H, D]; kc, vc: the full cache buffers [B, HKV, S, D] (S = allocated slots, read
-// from kc_shape at run time; ensure_row_contiguous=False so MLX never copies them).
-// Grid: x = split (CH = ceil(S / gridDim.x) positions each), y = kv head, z = b * L + l.
+// q, o: [B, L, H, D] contiguous; kc, vc: the cache buffers [B, HKV, S, D] (S = allocated slots),
+// indexed through their strides (ensure_row_contiguous=False: MLX never copies them; the last
+// axis must be contiguous and rows 16-byte aligned, as in every KV cache buffer).
+// Grid: x = split, y = kv head, z = b * L + l; NW warps per block. The split size is set at run
+// time from the valid length n: CH = max(ceil(n / nsplit), MINCH) positions, so every launched
+// split has work however large the allocated cache is (splits past n exit at once).
 // One block reads each K/V row of its chunk once for all G = H / HKV query heads of its kv head.
-// Lanes: LPP = D / 8 lanes hold one key row (16-byte loads), PPW = 32 / LPP rows per warp step.
-// Online softmax in fp32 with exp2 (q pre-scaled by scale * log2 e); a split or slot with no
-// valid position keeps m = -inf, l = 0 and is skipped in the merges (no -inf - -inf).
-// Splits beyond n exit at once. With more than one valid split, each block writes its partial
-// (m, l, o[D]) per query head to `part`, and the last block to finish (atomic ticket on cnt, a
-// persistent zeroed int32 buffer that the last block resets) merges them: one launch.
+// Lanes: LPP = D / 8 lanes hold one key row (16-byte loads), PPW = 32 / LPP rows per warp step,
+// SLOTS = NW * PPW independent online-softmax states per block, merged through shared memory.
+// Online softmax in fp32 with exp2 (q pre-scaled by scale * log2 e); a slot with no position
+// keeps m = -inf, l = 0 and is skipped in the merge (no -inf - -inf).
+// With more than one valid split each block writes its partial: pm (max, sum) and po (unnormalised
+// output), and the last block to finish (atomic ticket on cnt[b*L*HKV + kv head], an input written
+// through a const_cast that the last block resets to 0) merges them: one launch.
 //
-// Defines: T, L, H, HKV, D, G, NW (warps; sized so SLOTS*G*D floats fit in 40 KB), SCALE_LOG2.
-// Inputs: q, kc, vc, off, cnt.   Outputs: o [B, L, H, D], part [B*L*HKV, nsplit, G, D + 2] f32.
+// Defines: T, L, H, HKV, D, G, NW, MINCH, SCALE_LOG2.
+// Inputs: q, kc, vc, off, cnt.   Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32,
+//   po [B*L*HKV, nsplit, G, D] f32.
 
   constexpr int LPP = D / 8;
   constexpr int PPW = 32 / LPP;
   constexpr int SLOTS = NW * PPW;
+  constexpr int MAXSPLIT = 64;
 
-  const int S = kc_shape[2];
   const int split = blockIdx.x;
   const int nsplit = gridDim.x;
-  const int CH = (S + nsplit - 1) / nsplit;   // positions per split (run time: no recompile)
   const int hk = blockIdx.y;
   const int bl = blockIdx.z;
   const int b = bl / L, l = bl % L;
   const int n = off[0] + l + 1;
+  const int CH = max((n + nsplit - 1) / nsplit, MINCH);
   const int nvalid = (n + CH - 1) / CH;
   if (split >= nvalid) return;
   const int start = split * CH;
@@ -60,24 +65,19 @@
   // Lanes of one LPP group share p, so the group leaves the loop together; shuffle on the
   // group's mask only (groups of one warp may run different trip counts).
   const unsigned gmask = LPP == 32 ? 0xffffffffu : (((1u << LPP) - 1u) << (sub * LPP));
-  const size_t base = ((size_t)b * HKV + hk) * (size_t)S * D + d0;
-#pragma unroll 2
+  const int64_t kbase = b * kc_strides[0] + hk * kc_strides[1] + d0;
+  const int64_t vbase = b * vc_strides[0] + hk * vc_strides[1] + d0;
+#pragma unroll 4
   for (int p = start + warp * PPW + sub; p < end; p += SLOTS) {
     alignas(16) T kt[8];
     alignas(16) T vt[8];
-    *reinterpret_cast<uint4*>(kt) = *reinterpret_cast<const uint4*>(kc + base + (size_t)p * D);
-    *reinterpret_cast<uint4*>(vt) = *reinterpret_cast<const uint4*>(vc + base + (size_t)p * D);
-    float kf[8], vf[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      kf[j] = static_cast<float>(kt[j]);
-      vf[j] = static_cast<float>(vt[j]);
-    }
+    *reinterpret_cast<uint4*>(kt) = *reinterpret_cast<const uint4*>(kc + kbase + p * kc_strides[2]);
+    *reinterpret_cast<uint4*>(vt) = *reinterpret_cast<const uint4*>(vc + vbase + p * vc_strides[2]);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float s = 0.f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s = fmaf(qf[g][j], kf[j], s);
+      for (int j = 0; j < 8; ++j) s = fmaf(qf[g][j], static_cast<float>(kt[j]), s);
 #pragma unroll
       for (int o = LPP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(gmask, s, o);
       const float mnew = fmaxf(mx_[g], s);
@@ -85,7 +85,7 @@
       const float pw = exp2f(s - mnew);
       ls[g] = ls[g] * corr + pw;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) of[g][j] = fmaf(of[g][j], corr, pw * vf[j]);
+      for (int j = 0; j < 8; ++j) of[g][j] = fmaf(of[g][j], corr, pw * static_cast<float>(vt[j]));
       mx_[g] = mnew;
     }
   }
@@ -105,39 +105,35 @@
   __syncthreads();
 
   // merge the slots: thread per (g, d)
-  __shared__ float sm_M[G];
-  __shared__ float sm_L[G];
-  __shared__ int s_last;
+  const size_t pbase = ((size_t)bl * HKV + hk) * nsplit;   // first partial of this (b, l, kv head)
   for (int e = tid; e < G * D; e += NW * 32) {
     const int g = e / D, d = e % D;
     float M = -INFINITY;
 #pragma unroll
     for (int s = 0; s < SLOTS; ++s) M = fmaxf(M, sm_m[s][g]);
     float acc = 0.f, lsum = 0.f;
-    if (M != -INFINITY) {
 #pragma unroll
-      for (int s = 0; s < SLOTS; ++s) {
-        const float ms = sm_m[s][g];
-        if (ms != -INFINITY) {
-          const float c = exp2f(ms - M);
-          acc = fmaf(sm_o[s][g][d], c, acc);
-          lsum = fmaf(sm_l[s][g], c, lsum);
-        }
+    for (int s = 0; s < SLOTS; ++s) {
+      const float ms = sm_m[s][g];
+      if (ms != -INFINITY) {   // every split has a position, so M is finite
+        const float c = exp2f(ms - M);
+        acc = fmaf(sm_o[s][g][d], c, acc);
+        lsum = fmaf(sm_l[s][g], c, lsum);
       }
     }
     if (nvalid == 1) {
       o[(((size_t)bl * H) + hk * G + g) * D + d] = static_cast<T>(acc / lsum);
     } else {
-      float* pp = part + ((((size_t)bl * HKV + hk) * nsplit + split) * G + g) * (D + 2);
-      pp[2 + d] = acc;
+      po[((pbase + split) * G + g) * D + d] = acc;
       if (d == 0) {
-        pp[0] = M;
-        pp[1] = lsum;
+        pm[((pbase + split) * G + g) * 2] = M;
+        pm[((pbase + split) * G + g) * 2 + 1] = lsum;
       }
     }
   }
   if (nvalid == 1) return;
 
+  __shared__ int s_last;
   __threadfence();
   __syncthreads();
   if (tid == 0) {
@@ -150,26 +146,42 @@
   if (!s_last) return;
   __threadfence();
 
-  const float* pb = part + (((size_t)bl * HKV + hk) * nsplit) * G * (D + 2);
+  // final merge over the splits: c[s][g] = exp2(m_s - M_g), o = sum_s c po_s / sum_s c l_s
+  __shared__ float sm_c[MAXSPLIT][G];
+  __shared__ float sm_M[G];
+  __shared__ float sm_inv[G];
+  for (int e = tid; e < nvalid * G; e += NW * 32) sm_c[e / G][e % G] = __ldcg(pm + (pbase * G + e) * 2);
+  __syncthreads();
   if (tid < G) {
     float M = -INFINITY;
-    for (int s = 0; s < nvalid; ++s) M = fmaxf(M, __ldcg(pb + ((size_t)s * G + tid) * (D + 2)));
-    float lsum = 0.f;
-    for (int s = 0; s < nvalid; ++s) {
-      const float* pp = pb + ((size_t)s * G + tid) * (D + 2);
-      lsum += __ldcg(pp + 1) * exp2f(__ldcg(pp) - M);
-    }
+    for (int s = 0; s < nvalid; ++s) M = fmaxf(M, sm_c[s][tid]);
     sm_M[tid] = M;
-    sm_L[tid] = lsum;
   }
   __syncthreads();
-  for (int e = tid; e < G * D; e += NW * 32) {
-    const int g = e / D, d = e % D;
-    const float M = sm_M[g];
-    float acc = 0.f;
+  for (int e = tid; e < nvalid * G; e += NW * 32) sm_c[e / G][e % G] = exp2f(sm_c[e / G][e % G] - sm_M[e % G]);
+  __syncthreads();
+  if (tid < G) {
+    float lsum = 0.f;
+    for (int s = 0; s < nvalid; ++s) lsum = fmaf(__ldcg(pm + ((pbase + s) * G + tid) * 2 + 1), sm_c[s][tid], lsum);
+    sm_inv[tid] = 1.f / lsum;
+  }
+  __syncthreads();
+  for (int e = tid; e < G * D / 4; e += NW * 32) {
+    const int g = (e * 4) / D, d = (e * 4) % D;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
     for (int s = 0; s < nvalid; ++s) {
-      const float* pp = pb + ((size_t)s * G + g) * (D + 2);
-      acc += __ldcg(pp + 2 + d) * exp2f(__ldcg(pp) - M);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(po + ((pbase + s) * G + g) * D + d));
+      const float c = sm_c[s][g];
+      acc.x = fmaf(v.x, c, acc.x);
+      acc.y = fmaf(v.y, c, acc.y);
+      acc.z = fmaf(v.z, c, acc.z);
+      acc.w = fmaf(v.w, c, acc.w);
     }
-    o[(((size_t)bl * H) + hk * G + g) * D + d] = static_cast<T>(acc / sm_L[g]);
+    const float inv = sm_inv[g];
+    T* dst = o + (((size_t)bl * H) + hk * G + g) * D + d;
+    dst[0] = static_cast<T>(acc.x * inv);
+    dst[1] = static_cast<T>(acc.y * inv);
+    dst[2] = static_cast<T>(acc.z * inv);
+    dst[3] = static_cast<T>(acc.w * inv);
   }

@@ -72,11 +72,12 @@ _ATTN_GAIN = 3.0
 _LOGIT_STD = 12.0
 
 
-def synthetic_model(name, bits=4, group_size=64, seed=0, dtype=None):
+def synthetic_model(name, bits=4, group_size=64, seed=0, dtype=None, layers=None):
     """An mlx-lm model of architecture `name` (see CONFIGS) with random, peaked weights.
 
     bits: 4 or 8 (affine quantisation of every linear layer and the embedding), or None/0 for a
     float model. dtype: activations/scales dtype; bfloat16 by default, float32 for `*-cpu`/`*-tiny`.
+    layers: number of decoder layers, if not the architecture's (real sizes, shorter models).
     Returns the model; its config dict (with "quantization" when quantised) is `model.fastops_config`.
     """
     if name not in CONFIGS:
@@ -85,6 +86,10 @@ def synthetic_model(name, bits=4, group_size=64, seed=0, dtype=None):
         raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (fused: 4 and 8) or None for a float "
                          f"model, got {bits}")
     cfg = dict(CONFIGS[name])
+    if layers is not None:
+        if int(layers) < 1:
+            raise ValueError(f"layers must be at least 1, got {layers}")
+        cfg["num_hidden_layers"] = int(layers)
     if dtype is None:
         dtype = mx.float32 if name.endswith(("-cpu", "-tiny")) else mx.bfloat16
     mx.random.seed(seed)

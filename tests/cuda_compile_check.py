@@ -1,10 +1,18 @@
-"""Offline syntax/resource check of the CUDA kernel bodies with nvcc (no GPU needed).
+"""Offline syntax/resource check of the CUDA kernel bodies (no GPU needed).
 
-Wraps each body the way mx.fast.cuda_kernel does (mlx-kernel-api.md section 4.1) and compiles it
-with `nvcc -arch=sm_90a -c -Xptxas -v`. Usage: python3 tests/cuda_compile_check.py [filter]
+Wraps each body the way mx.fast.cuda_kernel does (mlx-kernel-api.md section 4.1), compiles it to
+PTX with NVRTC (what MLX uses) and assembles it with `ptxas -arch=sm_90a -v` for registers and
+spills. Usage: python3 tests/cuda_compile_check.py [filter]
+
+NVRTC and ptxas come from a CUDA install or from the PyPI wheels nvidia-cuda-nvrtc-cu12,
+nvidia-cuda-nvcc-cu12 (ptxas) and nvidia-cuda-runtime-cu12 (headers), unpacked anywhere:
+set CUDA_WHEELS=<dir holding nvidia/> (default: a CUDA install under /usr/local/cuda).
 """
 
+import ctypes
+import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -17,8 +25,11 @@ PRE = r"""
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
-#include <cstdint>
+#include <cuda/std/cstdint>
+#define INFINITY __int_as_float(0x7f800000)  // MLX's preamble brings math.h's
+using cuda::std::uint32_t; using cuda::std::int32_t; using cuda::std::int64_t;
 struct Shape { int32_t d[10]; __device__ int32_t operator[](int i) const { return d[i]; } };
+struct Strides { int64_t d[10]; __device__ int64_t operator[](int i) const { return d[i]; } };
 namespace mlx { namespace core { namespace cu {
 namespace cg = cooperative_groups;
 """
@@ -28,32 +39,66 @@ def wrap(name, src, inputs, outputs):
     params = []
     for n, t in inputs:
         params.append(f"const {t}* {n}")
-        if f"{n}_shape" in src and not (n == "kc" and "kc_shape[2]" not in src):
+        if f"{n}_shape" in src:
             params.append(f"const __grid_constant__ Shape {n}_shape")
+        if f"{n}_strides" in src:
+            params.append(f"const __grid_constant__ Strides {n}_strides")
     for n, t in outputs:
         params.append(f"{t}* {n}")
     return PRE + f"__global__ void {name}(" + ", ".join(params) + ") {\n" + src + "\n}\n}}}\n"
 
 
+def _find(patterns):
+    roots = [os.environ.get("CUDA_WHEELS", ""), "/usr/local/cuda"]
+    for r in roots:
+        for pat in patterns:
+            hits = sorted(glob.glob(os.path.join(r, pat)))
+            if r and hits:
+                return hits[0]
+    raise SystemExit(f"not found: {patterns} under {roots} (set CUDA_WHEELS)")
+
+
+def nvrtc_ptx(src, name):
+    lib = ctypes.CDLL(_find(["nvidia/cuda_nvrtc/lib/libnvrtc.so*", "lib64/libnvrtc.so*"]))
+    inc = os.path.dirname(_find(["nvidia/cuda_runtime/include/cuda_bf16.h", "include/cuda_bf16.h"]))
+    cccl = os.path.dirname(os.path.dirname(_find(["nvidia/cuda_cccl/include/nv/target", "include/nv/target"])))
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None) == 0
+    opts = [b"--gpu-architecture=compute_90a", b"-std=c++17", b"-default-device", f"-I{inc}".encode(),
+            f"-I{cccl}".encode()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if rc:
+        return None, log.value.decode(errors="replace")
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    return ptx.value.decode(), log.value.decode(errors="replace")
+
+
 def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     T = C._CTYPE[dtype]
-    d = C.gemv_defines(dtype, M, K, N, bits, gs, epi, norm, bias, head)
+    vec, R, nw = C.gemv_config(M, K, N, bits, epi)
+    d = C.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, norm, bias, head)
     src = C.source("gemv.cu", d, dtype)
     types = {"x": T, "w": "uint32_t", "sc": T, "bi": T, "nw": T, "eps": "float", "bias": T,
              "res": T, "qn": T, "kn": T, "qkeps": "float", "off": "int32_t", "rb": "float",
-             "rf": "float", "kc": T, "vc": T}
+             "rf": "float", "kc": T, "vc": T, "cnt": "int32_t"}
     ins = [(n, types[n]) for n in C.gemv_inputs(norm, bias, res, head)]
-    outs = [("yq", T)] if epi == 3 else [("y", T)]
-    _, _, _, NW = C.gemv_config(M, K, bits, epi, head and head["D"])
-    return wrap(f"gemv_e{epi}_m{M}_b{bits}", src, ins, outs), NW * 32
+    outs = [("yq", T), ("ys", "float")] if epi == 3 else [("y", T)]
+    return wrap(f"gemv_e{epi}_m{M}_b{bits}", src, ins, outs), nw * 32
 
 
 def attn_case(dtype, L, H, HKV, D):
     T = C._CTYPE[dtype]
-    d = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, NW=C.attn_warps(D, H // HKV), SCALE_LOG2="0.1275f")
-    src = C.source("attention.cu", d, dtype)
+    src = C.source("attention.cu", C.attn_defines(L, H, HKV, D, 0.0883883), dtype)
     ins = [("q", T), ("kc", T), ("vc", T), ("off", "int32_t"), ("cnt", "int32_t")]
-    return wrap(f"attn_d{D}_g{H // HKV}", src, ins, [("o", T), ("part", "float")]), C.attn_warps(D, H // HKV) * 32
+    outs = [("o", T), ("pm", "float"), ("po", "float")]
+    return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
 
 
 def cases():
@@ -75,26 +120,29 @@ def cases():
 
 def main():
     filt = sys.argv[1] if len(sys.argv) > 1 else ""
+    ptxas = _find(["nvidia/cuda_nvcc/bin/ptxas", "bin/ptxas"])
     bad = 0
     with tempfile.TemporaryDirectory() as td:
         for name, (src, threads) in cases():
             if filt not in name:
                 continue
-            path = os.path.join(td, "k.cu")
-            open(path, "w").write(src)
-            r = subprocess.run(["nvcc", "-arch=sm_90a", "-c", "-Xptxas", "-v", "-o", os.path.join(td, "k.o"), path],
+            ptx, log = nvrtc_ptx(src, "k.cu")
+            if ptx is None:
+                bad += 1
+                print(f"{name:22s} ERR\n" + "\n".join(l for l in log.splitlines() if "error" in l)[:2000])
+                continue
+            path = os.path.join(td, "k.ptx")
+            open(path, "w").write(ptx)
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.path.join(td, "k.cubin"), path],
                                capture_output=True, text=True)
             info = [l.split("ptxas info    : ")[-1] for l in r.stderr.splitlines() if "registers" in l or "spill" in l]
-            errs = [l for l in r.stderr.splitlines() if "error" in l]
-            import re
             regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)]
-            fits = all(g * threads <= 65536 for g in regs)
-            print(f"{name:22s} {'OK ' if r.returncode == 0 and fits else 'ERR'} thr={threads} {' | '.join(info)[:160]}")
-            if not fits:
+            spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+            ok = r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not any(spills)
+            print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} {' | '.join(info)[:160]}")
+            if not ok:
                 bad += 1
-            if r.returncode:
-                bad += 1
-                print("\n".join(errs[:10]))
+                print(r.stderr[-1500:])
     sys.exit(1 if bad else 0)
 
 

@@ -98,6 +98,43 @@ def test_fast_path_without_compile_matches(compile_off, monkeypatch):
     assert (got[0, :upto] == ref[0, :upto]).all()
 
 
+REAL = ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.2-1b", "qwen2.5-0.5b"]
+
+
+@pytest.mark.parametrize("name", REAL)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_real_sizes_two_layers(name, batch, monkeypatch):
+    """Every kernel at the real shapes (hidden, heads, head_dim, vocab) of each model, 2 layers:
+    teacher-forced logits of the fused decode path against stock after a 260-token prompt."""
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model(name, bits=4, layers=2, seed=5)
+    prompt = mx.random.randint(0, model.args.vocab_size, (batch, 260), key=mx.random.key(2))
+    ref, margins, _ = greedy(model, prompt, 12)
+    ref_logits = _forced(model, prompt, ref)
+    mlx_fastops.patch(model)
+    try:
+        got = _forced(model, prompt, ref)
+    finally:
+        mlx_fastops.unpatch(model)
+    assert np.isfinite(got).all(), "non-finite logits"
+    for step in range(got.shape[1]):
+        for b in range(batch):
+            a, r = got[b, step], ref_logits[b, step]
+            err = np.abs(a - r).max() / np.abs(r).max()
+            assert err < 0.05, (name, b, step, err)
+            if margins[b, step] >= MARGIN:
+                assert a.argmax() == r.argmax(), (name, b, step)
+
+
+def _forced(model, prompt, tokens):
+    """float32 logits [B, n, vocab]: after the prompt, then after each forced token but the last."""
+    cache = make_prompt_cache(model)
+    out = [model(prompt, cache=cache)[:, -1, :]]
+    for i in range(tokens.shape[1] - 1):
+        out.append(model(mx.array(tokens[:, i:i + 1]).astype(mx.int32), cache=cache)[:, -1, :])
+    return np.asarray(mx.stack(out, 1).astype(mx.float32))
+
+
 @pytest.mark.slow
 def test_qwen3_0p6b_real_size():
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"

@@ -49,20 +49,19 @@ def _name(kind, src):
 # GEMV
 # ---------------------------------------------------------------------------------------------
 
-def gemv_config(M, K, bits, epi, head_dim=None):
-    """(MC, VEC, R, NW): rows per pass, uint32 words per lane load, rows per warp, warps/block."""
-    MC = M if M <= 4 else 4
+def gemv_config(M, K, N, bits, epi):
+    """(VEC, R, NW): uint32 words per lane load, rows per warp, warps per block.
+
+    Decode GEMVs are latency-bound: few rows per warp and small blocks give many short, parallel
+    chains. Two rows per warp only where there are rows to spare (and always for the head kernel,
+    whose blocks must tile a head)."""
     VEC = 4 if M == 1 else (2 if M == 2 else 1)
     epw = lambda v: (8 if bits == 4 else 4) * v
     while VEC > 1 and K % epw(VEC):
         VEC //= 2
-    if epi == 3:
-        # registers: 512 threads leave 128 per thread, 256 leave 255
-        NW = 16 if (M <= 2 and head_dim <= 128) else 8
-        R = head_dim // NW
-    else:
-        R, NW = 4, 4
-    return MC, VEC, R, NW
+    nout = N // 2 if epi == 2 else N
+    R = 2 if (epi == 3 or nout >= 4096) else 1
+    return VEC, R, 4
 
 
 def gemv_inputs(norm, bias, res, head=None):
@@ -76,46 +75,34 @@ def gemv_inputs(norm, bias, res, head=None):
     if head is not None:
         if head["qknorm"]:
             names += ["qn", "kn", "qkeps"]
-        names += ["off", "rb"] + (["rf"] if head["freqs"] else []) + ["kc", "vc"]
+        names += ["off", "rb"] + (["rf"] if head["freqs"] else []) + ["kc", "vc", "cnt"]
     return names
 
 
-def gemv_defines(dtype, M, K, N, bits, gs, epi, norm=False, bias=False, head=None):
-    """#defines of one GEMV kernel. K and N are run-time values (read from w's shape); K only
-    decides the load width VEC (K must be a multiple of the k-chunk of one lane)."""
-    MC, VEC, R, NW = gemv_config(M, K, bits, epi, head and head["D"])
-    d = dict(BITS=bits, GS=gs, M=M, MC=MC, R=R, NW=NW, VEC=VEC, EPI=epi, HAS_NORM=norm, HAS_BIAS=bias)
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, norm=False, bias=False, head=None):
+    """#defines of one GEMV kernel (K and N are run-time values, read from w's shape)."""
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=norm, HAS_BIAS=bias)
     if head is not None:
         d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
                  ROPE_TRAD=head["trad"], ROPE_FREQS=head["freqs"])
-    else:
-        d.update(L=1, H=1, HKV=1, D=32, HAS_QKNORM=False, ROPE_TRAD=False, ROPE_FREQS=False)
     return d
 
 
 @cached_builder
-def _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, vec):
+def _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, vec, R, nw):
     head = dict(head_items) if head_items else None
-    # any K with this VEC gives the same source
-    K = vec * (8 if bits == 4 else 4) * 32
-    defines = gemv_defines(dtype, M, K, 0, bits, gs, epi, norm, bias, head)
-    assert defines["VEC"] == vec
-    src = source("gemv.cu", defines, dtype)
-    out = ["yq"] if epi == 3 else ["y"]
+    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, norm, bias, head), dtype)
+    out = ["yq", "ys"] if epi == 3 else ["y"]
     return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(norm, bias, res, head),
                        output_names=out, source=src, ensure_row_contiguous=(epi != 3))
 
 
 def _gemv_kernel(dtype, M, K, N, bits, gs, epi, norm, bias, res, head_items):
     """(kernel, grid, threadgroup) for this call's sizes."""
-    head = dict(head_items) if head_items else None
-    _, VEC, R, NW = gemv_config(M, K, bits, epi, head and head["D"])
-    kern = _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, VEC)
-    if epi == 3:
-        blocks = N // head["D"]
-    else:
-        nout = N // 2 if epi == 2 else N
-        blocks = -(-nout // (R * NW))
+    VEC, R, NW = gemv_config(M, K, N, bits, epi)
+    kern = _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, VEC, R, NW)
+    nout = N // 2 if epi == 2 else N
+    blocks = -(-nout // (R * NW))
     return kern, (blocks * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
@@ -207,56 +194,64 @@ def lm_head(x, w):
 # Decode attention
 # ---------------------------------------------------------------------------------------------
 
-ATTN_CHUNK = 64      # positions per split for caches up to ATTN_CHUNK * ATTN_MAX_SPLITS slots
-ATTN_MAX_SPLITS = 32
+ATTN_WARPS = 4        # warps per attention block
+ATTN_MINCH = 16       # fewest positions per split
+ATTN_MAX_SPLITS = 64  # the merge's shared weights table (MAXSPLIT in attention.cu)
+ATTN_TARGET_BLOCKS = 264   # two blocks per SM on the H200's 132 SMs
 
 
-def attn_warps(D, G):
-    """Warps per attention block: as many as the merge buffer (SLOTS*G*D floats <= 40 KB) allows."""
-    ppw = 32 // (D // 8)
-    nw = min(16, (10240 // (G * D)) // ppw)
-    p = 4
-    while p * 2 <= nw:
-        p *= 2
-    return p
+def attn_splits(S, rows):
+    """Splits per (b, l, kv head): enough blocks to fill the GPU, no more than the cache can use."""
+    want = -(-ATTN_TARGET_BLOCKS // rows)
+    return max(1, min(want, ATTN_MAX_SPLITS, -(-S // ATTN_MINCH)))
 
 
-def attn_splits(S):
-    return min(-(-S // ATTN_CHUNK), ATTN_MAX_SPLITS)
+def attn_defines(L, H, HKV, D, scale):
+    return dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, NW=ATTN_WARPS, MINCH=ATTN_MINCH,
+                SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
 
-_counter_buf = None
+
+def tickets(n):
+    """Zeroed int32 tickets for a kernel's last-block merge; every launch leaves them zero again.
+    One buffer per user (FastBlock, op call site), evaluated now: never a lazy broadcast."""
+    t = mx.zeros((n,), dtype=mx.int32)
+    mx.eval(t)
+    return t
 
 
-def _counters():
-    """Persistent zeroed int32 tickets for the split merge (each launch leaves them zero)."""
-    global _counter_buf
-    if _counter_buf is None:
-        _counter_buf = mx.zeros((1 << 14,), dtype=mx.int32)
-        mx.eval(_counter_buf)
-    return _counter_buf
+_op_tickets = {}
+
+
+def _attn_tickets(n):
+    """Tickets for the decode_attention op (one buffer per size; calls are stream-ordered)."""
+    t = _op_tickets.get(n)
+    if t is None:
+        t = _op_tickets[n] = tickets(n)
+    return t
 
 
 @cached_builder
 def _attn_kernel(dtype, L, H, HKV, D, scale):
-    defines = dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, NW=attn_warps(D, H // HKV),
-                   SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
-    src = source("attention.cu", defines, dtype)
+    src = source("attention.cu", attn_defines(L, H, HKV, D, scale), dtype)
     return cuda_kernel(name=_name("attn", src), input_names=["q", "kc", "vc", "off", "cnt"],
-                       output_names=["o", "part"], source=src, ensure_row_contiguous=False)
+                       output_names=["o", "pm", "po"], source=src, ensure_row_contiguous=False)
 
 
-def attention(q, kc, vc, off, scale):
-    """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] full buffers, off int32[1] -> [B, L, H, D]."""
+def attention(q, kc, vc, off, scale, cnt=None):
+    """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] full contiguous buffers, off int32[1]
+    -> [B, L, H, D]. cnt: int32 tickets, at least B*L*HKV, all zero (left zero)."""
     B, L, H, D = q.shape
     HKV, S = kc.shape[1], kc.shape[2]
+    rows = B * L * HKV
+    if cnt is None:
+        cnt = _attn_tickets(rows)
     kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale))
-    nsplit = attn_splits(S)
+    nsplit = attn_splits(S, rows)
     G = H // HKV
-    nw = attn_warps(D, G)
-    o, _ = kern(inputs=[q, kc, vc, off, _counters()],
-                output_shapes=[(B, L, H, D), (B * L * HKV, nsplit, G, D + 2)],
-                output_dtypes=[q.dtype, mx.float32],
-                grid=(nsplit * nw * 32, HKV, B * L), threadgroup=(nw * 32, 1, 1))
+    o, _, _ = kern(inputs=[q, kc, vc, off, cnt],
+                   output_shapes=[(B, L, H, D), (rows, nsplit, G, 2), (rows, nsplit, G, D)],
+                   output_dtypes=[q.dtype, mx.float32, mx.float32],
+                   grid=(nsplit * ATTN_WARPS * 32, HKV, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
     return o
 
 
@@ -284,12 +279,15 @@ def offset_array(offset):
 
 def decode_attention(q, k_cache, v_cache, length, scale):
     B, H, L, D = q.shape
-    if (L != 1 or q.dtype not in _HALF or k_cache.dtype != q.dtype
-            or unsupported_decode_attention(D, H // k_cache.shape[1]) or B * k_cache.shape[1] > 1 << 14):
+    if (L != 1 or q.dtype not in _HALF or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+            or v_cache.shape != k_cache.shape
+            or unsupported_decode_attention(D, H // k_cache.shape[1])):
         return _ref().decode_attention(q, k_cache, v_cache, length, scale)
     if isinstance(length, mx.array):
         off = (length.reshape(1) - 1).astype(mx.int32)
     else:
+        if not 0 < int(length) <= k_cache.shape[2]:
+            raise ValueError(f"decode_attention: length {length} outside the cache (1..{k_cache.shape[2]})")
         off = offset_array(int(length) - 1)
     q4 = mx.contiguous(q).reshape(B, 1, H, D)
     return attention(q4, k_cache, v_cache, off, scale).reshape(B, H, 1, D)
@@ -363,7 +361,7 @@ class FastBlock:
         self.qknorm = attn.has_qk_norm
         if self.qknorm:
             self.qk = [attn._q_norm.weight, attn._k_norm.weight,
-                       mx.array(attn._q_norm.eps, dtype=mx.float32)]
+                       mx.array([attn._q_norm.eps, attn._k_norm.eps], dtype=mx.float32)]
         else:
             self.qk = []
         base = rope.base if rope.base is not None else 1.0
@@ -371,7 +369,9 @@ class FastBlock:
         self.rf = [rope.freqs.astype(mx.float32)] if rope.freqs is not None else []
         self.trad = bool(rope.traditional)
         self.K = self.qkv.in_features
-        _counters()  # created (and evaluated) before any mx.compile trace
+        # this block's own tickets (head kernel: one per q/k/v head; attention: per row and kv head)
+        self.head_tickets = tickets(self.H + 2 * self.HKV)
+        self.attn_tickets = tickets(MAX_ROWS * self.HKV)
         mx.eval(self.in_norm, self.post_norm, self.qk, self.rb, self.rf)
 
     @staticmethod
@@ -409,7 +409,7 @@ class FastBlock:
     def supports(self, x):
         B, L, _ = x.shape
         M = B * L
-        return M <= MAX_ROWS and not (self.D == 256 and M > 2) and x.dtype == self.dtype
+        return M <= MAX_ROWS and x.dtype == self.dtype
 
     def core(self, x, off, kc, vc):
         """x [B, L, K], off int32[1] (cache length before these tokens) -> block output.
@@ -424,10 +424,10 @@ class FastBlock:
         inputs = [x, qkv.weight, qkv.scales, qkv.biases, *self.in_norm]
         if qkv.bias is not None:
             inputs.append(qkv.bias)
-        inputs += [*self.qk, off, self.rb, *self.rf, kc, vc]
-        q = kern(inputs=inputs, output_shapes=[(B, L, self.H, self.D)], output_dtypes=[x.dtype],
-                 grid=grid, threadgroup=tg)[0]
-        o = attention(q, kc, vc, off, self.scale)
+        inputs += [*self.qk, off, self.rb, *self.rf, kc, vc, self.head_tickets]
+        q = kern(inputs=inputs, output_shapes=[(B, L, self.H, self.D), (M, qkv.out_features)],
+                 output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
+        o = attention(q, kc, vc, off, self.scale, self.attn_tickets)
         x2 = x.reshape(M, K)
         h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
         a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
