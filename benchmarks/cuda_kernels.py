@@ -26,9 +26,11 @@ from mlx_fastops.backends import cuda as C
 from mlx_fastops.ops.weights import PackedLinear
 
 CALLS = 64
+REPS = 7
 
 
-def timeit(fn, reps=7):
+def timeit(fn, reps=None):
+    reps = reps or REPS
     for _ in range(2):
         mx.eval(fn())
     mx.synchronize()
@@ -53,19 +55,22 @@ def packed(N, K, bits=4, gs=64, dtype=mx.bfloat16):
     return PackedLinear(wq, s.astype(dtype), b.astype(dtype), None, (N,), K, bits, gs)
 
 
-def gemv_case(label, M, K, N, epi=0, bits=4):
+def gemv_case(label, M, K, N, epi=0, bits=4, norm=False):
     w0 = packed(N * (2 if epi == 2 else 1), K, bits)
     wbytes = w0.weight.nbytes + w0.scales.nbytes + w0.biases.nbytes
     copies = max(1, min(16, -(-200_000_000 // wbytes)))
     ws = [w0] + [packed(N * (2 if epi == 2 else 1), K, bits) for _ in range(copies - 1)]
     x = mx.random.normal((M, K)).astype(mx.bfloat16)
-    mx.eval(x, [(w.weight, w.scales, w.biases) for w in ws])
+    nw = (1 + 0.1 * mx.random.normal((K,))).astype(mx.bfloat16)
+    eps = mx.array(1e-6, dtype=mx.float32)
+    mx.eval(x, nw, eps, [(w.weight, w.scales, w.biases) for w in ws])
 
     def stock():
         outs = []
         for i in range(CALLS):
             w = ws[i % copies]
-            y = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True, group_size=64, bits=bits)
+            xi = mx.fast.rms_norm(x, nw, 1e-6) if norm else x
+            y = mx.quantized_matmul(xi, w.weight, w.scales, w.biases, transpose=True, group_size=64, bits=bits)
             if epi == 2:
                 g, u = mx.split(y, 2, axis=-1)
                 y = mx.sigmoid(g) * g * u
@@ -73,7 +78,7 @@ def gemv_case(label, M, K, N, epi=0, bits=4):
         return outs
 
     def ours():
-        return [C.gemv(x, ws[i % copies], epi=epi) for i in range(CALLS)]
+        return [C.gemv(x, ws[i % copies], epi=epi, norm=(nw, eps) if norm else None) for i in range(CALLS)]
 
     ts, to = timeit(stock) / CALLS, timeit(ours) / CALLS
     nbytes = wbytes + x.nbytes + M * N * 2
@@ -108,23 +113,33 @@ def attn_case(label, H, HKV, D, length, S=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/cuda_kernels")
+    ap.add_argument("--only", default="", help="run the cases whose label contains this")
+    ap.add_argument("--calls", type=int, default=64, help="calls per graph (1 for a profiler)")
+    ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
+    global CALLS, REPS
+    CALLS, REPS = a.calls, a.reps
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
     cases = [
         ("0.6B qkv", 1, 1024, 4096, 0), ("0.6B o_proj", 1, 2048, 1024, 0), ("0.6B gate_up+silu", 1, 1024, 3072, 2),
+        ("0.6B norm+qkv", 1, 1024, 4096, 0, 4, True), ("0.6B norm+gate_up+silu", 1, 1024, 3072, 2, 4, True),
         ("0.6B down", 1, 3072, 1024, 0), ("0.6B lm_head", 1, 1024, 151936, 0),
         ("4B gate_up+silu", 1, 2560, 9728, 2), ("4B down", 1, 9728, 2560, 0), ("4B lm_head", 1, 2560, 151936, 0),
         ("8B qkv", 1, 4096, 6144, 0), ("8B gate_up+silu", 1, 4096, 12288, 2), ("8B down", 1, 12288, 4096, 0),
         ("8B down M=4", 4, 12288, 4096, 0), ("0.6B qkv 8-bit", 1, 1024, 4096, 0, 8),
     ]
     for c in cases:
+        if a.only not in c[0]:
+            continue
         r = gemv_case(*c)
         rows.append(r)
         print(r, flush=True)
     for c in [("0.6B attn ctx 640", 16, 8, 128, 640), ("0.6B attn ctx 2176", 16, 8, 128, 2176),
               ("8B attn ctx 8192", 32, 8, 128, 8192), ("llama-1B attn ctx 2176", 32, 8, 64, 2176)]:
+        if a.only not in c[0]:
+            continue
         r = attn_case(*c)
         rows.append(r)
         print(r, flush=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: CUDA tests, then benchmarks; logs to $OUT. Usage (after install.sh):
-#   bash benchmarks/cuda_visit.sh [check|trace|verify|tests|quick|bench|kernels|full]
+#   bash benchmarks/cuda_visit.sh [check|ncu|trace|verify|tests|quick|bench|kernels|full]
 set -o pipefail
 mode=${1:-quick}
 export PYTHONUNBUFFERED=1
@@ -23,6 +23,13 @@ if [ "$mode" = "check" ]; then
   timeout 120 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1
   grep -v Warning "$OUT/trace.log" | tail -40
   exit 0
+fi
+if [ "$mode" = "ncu" ]; then
+  # where the time of the 0.6B kernels goes: one call each, Nsight Compute sections
+  timeout 150 ncu --clock-control none -k regex:fastops --launch-count 8 --section SpeedOfLight \
+    --section WarpStateStats --section Occupancy --section LaunchStats \
+    python3 benchmarks/cuda_kernels.py --only 0.6B --calls 1 --reps 1 --out "$OUT/ncu_kernels" > "$OUT/ncu.log" 2>&1
+  grep -E "fastops|Duration|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Stall|Memory Throughput|Block Size|Grid Size" "$OUT/ncu.log" | head -120
 fi
 if [ "$mode" = "trace" ]; then
   timeout 150 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1

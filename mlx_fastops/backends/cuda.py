@@ -303,20 +303,33 @@ class StaticKVCache(KVCache):
     Prefill (and every path that is not the fast path) writes through `update_and_fetch` exactly
     like KVCache (slice assignment, in place when MLX can donate); the fast decode kernels write
     the new k/v rows straight into `keys`/`values` at `offset`.
+
+    MLX does not see those in-place writes, so the order of the kernels that touch the buffers is
+    made explicit: `last_reader` is the output of the latest fast-path attention over them, and
+    the next writer (the fast path's head kernel, or `update_and_fetch`) is made to depend on it
+    with mx.depends. Without this, steps built lazily with inputs that do not depend on each
+    other (teacher forcing, a batch of independent prompts) could run out of order.
     """
 
     step = 1024
+    last_reader = None
+
+    def _ordered(self):
+        if self.last_reader is not None:
+            self.keys, self.values = mx.depends([self.keys, self.values], [self.last_reader])
+            self.last_reader = None
 
     def reserve(self, B, n_kv, D, dtype, needed):
         k = self.keys
         if k is not None and k.shape[2] >= needed and k.shape[0] == B and k.shape[1] == n_kv \
                 and k.shape[3] == D and k.dtype == dtype:
             return
+        self._ordered()
         S = -(-needed // self.step) * self.step
         nk = mx.zeros((B, n_kv, S, D), dtype=dtype)
         nv = mx.zeros((B, n_kv, S, D), dtype=dtype)
-        if k is not None and self.offset > 0:
-            nk[..., : self.offset, :] = k[..., : self.offset, :]
+        if self.keys is not None and self.offset > 0:
+            nk[..., : self.offset, :] = self.keys[..., : self.offset, :]
             nv[..., : self.offset, :] = self.values[..., : self.offset, :]
         self.keys, self.values = nk, nv
 
@@ -324,10 +337,17 @@ class StaticKVCache(KVCache):
         B, n_kv, L, D = keys.shape
         prev = self.offset
         self.reserve(B, n_kv, D, keys.dtype, prev + L)
+        self._ordered()
         self.offset += L
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def fast_buffers(self):
+        """(keys, values) for the fast path's in-place writer: ordered after the last reader."""
+        if self.last_reader is None:
+            return self.keys, self.values
+        return tuple(mx.depends([self.keys, self.values], [self.last_reader]))
 
 
 def _quant_ok(m):
@@ -412,8 +432,9 @@ class FastBlock:
         return M <= MAX_ROWS and x.dtype == self.dtype
 
     def core(self, x, off, kc, vc):
-        """x [B, L, K], off int32[1] (cache length before these tokens) -> block output.
-        Writes this step's k/v rows into kc/vc in place."""
+        """x [B, L, K], off int32[1] (cache length before these tokens) -> (block output, the
+        attention output: the last reader of kc/vc). Writes this step's k/v rows into kc/vc in
+        place; kc/vc must already be ordered after their previous reader (fast_buffers)."""
         B, L, K = x.shape
         M = B * L
         qkv = self.qkv
@@ -432,7 +453,7 @@ class FastBlock:
         h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
         a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
         out = gemv(a, self.down, epi=1, res=h)
-        return out.reshape(B, L, K)
+        return out.reshape(B, L, K), o
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -440,7 +461,7 @@ class FastBlock:
         B, L, _ = x.shape
         prev = cache.offset
         cache.reserve(B, self.HKV, self.D, x.dtype, prev + L)
-        out = self.core(x, offset_array(prev), cache.keys, cache.values)
+        out, cache.last_reader = self.core(x, offset_array(prev), *cache.fast_buffers())
         cache.offset = prev + L
         return out
 
@@ -484,11 +505,11 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
             bufs = []
             for fb, c in zip(blocks, cache):
                 c.reserve(B, fb.HKV, fb.D, fb.dtype, prev + L)
-                bufs.append(c.keys)
-                bufs.append(c.values)
-            h = step(inputs, offset_array(prev), *bufs)
-            for c in cache:
+                bufs.extend(c.fast_buffers())
+            h, *readers = step(inputs, offset_array(prev), *bufs)
+            for c, r in zip(cache, readers):
                 c.offset = prev + L
+                c.last_reader = r
             return h
     return super(self.__class__, self).__call__(inputs, cache=cache, input_embeddings=input_embeddings)
 
@@ -515,9 +536,11 @@ def fast_model(model, blocks):
         h = embed(tokens)
         if h.dtype != dtype:
             h = h.astype(dtype)
+        readers = []
         for i, fb in enumerate(fasts):
-            h = fb.core(h, off, bufs[2 * i], bufs[2 * i + 1])
-        return norm(h)
+            h, o = fb.core(h, off, bufs[2 * i], bufs[2 * i + 1])
+            readers.append(o)
+        return [norm(h), *readers]
 
     # An embedding in another dtype would make stock and fused paths differ: require a match.
     if getattr(embed, "scales", getattr(embed, "weight", None)).dtype != dtype:
