@@ -62,8 +62,7 @@ def gemv_case(label, M, K, N, epi=0, bits=4, norm=False):
     ws = [w0] + [packed(N * (2 if epi == 2 else 1), K, bits) for _ in range(copies - 1)]
     x = mx.random.normal((M, K)).astype(mx.bfloat16)
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(mx.bfloat16)
-    eps = mx.array(1e-6, dtype=mx.float32)
-    mx.eval(x, nw, eps, [(w.weight, w.scales, w.biases) for w in ws])
+    mx.eval(x, nw, [(w.weight, w.scales, w.biases) for w in ws])
 
     def stock():
         outs = []
@@ -78,7 +77,7 @@ def gemv_case(label, M, K, N, epi=0, bits=4, norm=False):
         return outs
 
     def ours():
-        return [C.gemv(x, ws[i % copies], epi=epi, norm=(nw, eps) if norm else None) for i in range(CALLS)]
+        return [C.gemv(x, ws[i % copies], epi=epi, norm=(nw, 1e-6) if norm else None) for i in range(CALLS)]
 
     ts, to = timeit(stock) / CALLS, timeit(ours) / CALLS
     nbytes = wbytes + x.nbytes + M * N * 2
@@ -94,7 +93,7 @@ def attn_case(label, H, HKV, D, length, S=None):
            for _ in range(copies)]
     q = mx.random.normal((B, H, 1, D)).astype(mx.bfloat16)
     mx.eval(q, kvs)
-    off = mx.array([length - 1], dtype=mx.int32)
+    off = C.offset_array(length - 1)
     q4 = q.reshape(B, 1, H, D)
 
     def stock():

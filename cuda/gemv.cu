@@ -21,7 +21,7 @@
 //   3 head       fused QKV with per-head work: each block computes NW*R rows (a slice of one
 //                head) for every activation row into the scratch output ys [M, N] (T-rounded,
 //                + bias), then takes a ticket on cnt[head]; the block that completes a head does
-//                its epilogue: q/k RMSNorm (HAS_QKNORM, eps qeps / keps) + RoPE (stock rounding:
+//                its epilogue: q/k RMSNorm (HAS_QKNORM, eps QEPS / KEPS) + RoPE (stock rounding:
 //                GEMV out -> T, norm -> T, weight mul -> T, rope in fp32 with precise cos/sin ->
 //                T). q goes to yq [B, L, H, D]; k and v are written IN PLACE into the cache
 //                buffers kc/vc [B, Hkv, S, D] (by strides; last axis contiguous) at position
@@ -29,11 +29,12 @@
 //                const_cast: MLX never sees the write; later readers are ordered after this
 //                launch through their use of yq). The completing block resets its ticket to 0.
 //
-// Defines set by the wrapper: T, BITS, GS, M, R, NW, VEC, EPI, HAS_NORM, HAS_BIAS, and for EPI 3:
-// L (tokens), H, HKV, D, HAS_QKNORM, ROPE_TRAD, ROPE_FREQS.
+// Defines set by the wrapper: T, BITS, GS, M, R, NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, and for
+// EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
+// ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
+// small managed-memory pool that the host writes too, and reading one from a kernel can fault.
 //
-// Inputs (names): x, w, sc, bi, [nw, eps], [bias], [res], EPI 3: [qn, kn, qkeps], off, rb, [rf],
-//   kc, vc, cnt.   rb = float[2] {log2(rope base), rope scale}; qkeps = float[2] {q eps, k eps}
+// Inputs (names): x, w, sc, bi, [nw], [bias], [res], EPI 3: [qn, kn], off, [rf], kc, vc, cnt.
 // Outputs: y, or for EPI 3: yq, ys
 
   constexpr int EPW = (BITS == 4 ? 8 : 4) * VEC;   // k per lane per step
@@ -107,7 +108,7 @@
       float v = 0.f;
 #pragma unroll
       for (int i = 0; i < NW; ++i) v += s_red[i][threadIdx.x];
-      s_inv[threadIdx.x] = rsqrtf(v / K + eps[0]);
+      s_inv[threadIdx.x] = rsqrtf(v / K + EPS);
     }
     __syncthreads();
   }
@@ -291,7 +292,7 @@
         for (int d = lane; d < D; d += 32) ssq += s_y[m][d] * s_y[m][d];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
-        const float inv = rsqrtf(ssq / D + qkeps[kind]);
+        const float inv = rsqrtf(ssq / D + (kind == 0 ? QEPS : KEPS));
         const T* nwt = kind == 0 ? qn : kn;
         __syncwarp();
         for (int d = lane; d < D; d += 32) {
@@ -313,9 +314,9 @@
         const float inv_freq = static_cast<float>(1.0 / static_cast<double>(rf[i]));
 #else
         const float dd = static_cast<float>(i) / static_cast<float>(HALF);
-        const float inv_freq = exp2f(-dd * rb[0]);
+        const float inv_freq = exp2f(-dd * ROPE_LOG2_BASE);
 #endif
-        const float theta = rb[1] * static_cast<float>(pos) * inv_freq;
+        const float theta = ROPE_SCALE * static_cast<float>(pos) * inv_freq;
         const float cs = cosf(theta), sn = sinf(theta);
 #if ROPE_TRAD
         const int i1 = 2 * i, i2 = 2 * i + 1;

@@ -83,10 +83,10 @@ def nvrtc_ptx(src, name):
 def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     T = C._CTYPE[dtype]
     vec, R, nw = C.gemv_config(M, K, N, bits, epi)
-    d = C.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, norm, bias, head)
+    d = C.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, 1e-6 if norm else None, bias, head)
     src = C.source("gemv.cu", d, dtype)
-    types = {"x": T, "w": "uint32_t", "sc": T, "bi": T, "nw": T, "eps": "float", "bias": T,
-             "res": T, "qn": T, "kn": T, "qkeps": "float", "off": "int32_t", "rb": "float",
+    types = {"x": T, "w": "uint32_t", "sc": T, "bi": T, "nw": T, "bias": T,
+             "res": T, "qn": T, "kn": T, "off": "int32_t", "after": T,
              "rf": "float", "kc": T, "vc": T, "cnt": "int32_t"}
     ins = [(n, types[n]) for n in C.gemv_inputs(norm, bias, res, head)]
     outs = [("yq", T), ("ys", "float")] if epi == 3 else [("y", T)]
@@ -111,7 +111,8 @@ def cases():
     yield "gemv fp32", gemv_case(mx.float32, 1, 192, 320, 4, 64, 0, False, False, False)
     for D in (64, 128, 256):
         for M in ((1, 2) if D == 256 else (1, 4, 8)):
-            head = dict(D=D, H=16, HKV=8, L=1, freqs=D == 64, qknorm=D != 64, trad=False)
+            head = dict(D=D, H=16, HKV=8, L=1, freqs=D == 64, qknorm=D != 64, trad=False, qeps=1e-6,
+                        keps=1e-6, log2_base=19.93, scale=1.0)
             yield f"gemv head D{D} M{M}", gemv_case(bf, M, 1024, 32 * D, 4, 64, 3, True, D == 64, False, head)
     for D in (64, 128, 256):
         for G in (1, 2, 4, 8):

@@ -88,8 +88,7 @@ def test_gemv_epilogues(dtype, bits, gs, M):
     # gate/up + SiLU with folded RMSNorm
     gu = packed(2 * N, K, bits, gs, dt, splits=(N, N))
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
-    eps = mx.array(1e-6, dtype=mx.float32)
-    y = C.gemv(x * 3, gu, epi=2, norm=(nw, eps))
+    y = C.gemv(x * 3, gu, epi=2, norm=(nw, 1e-6))
     xn = mx.fast.rms_norm(x * 3, nw, 1e-6)
     ref = R.gate_up_silu(xn, gu)
     g, u = mx.split(xn.astype(mx.float32) @ dense(gu).T, 2, axis=-1)
@@ -140,15 +139,14 @@ def test_head_kernel(D, H, HKV, M, L, qknorm, freqs, bias):
     vc = mx.random.normal((B, HKV, S, D)).astype(dt)
     kc0, vc0 = kc + 0, vc + 0
     mx.eval(kc, vc, kc0, vc0)
-    head = (("D", D), ("H", H), ("HKV", HKV), ("L", L), ("freqs", freqs), ("qknorm", qknorm), ("trad", False))
-    kern, grid, tg = C._gemv_kernel(dt, M, K, qkv.out_features, 4, 64, 3, True, bias, False, head)
-    eps = mx.array(1e-6, dtype=mx.float32)
-    qkeps = mx.array([1e-6, 1e-5], dtype=mx.float32)   # q and k norms with different eps
-    ins = [x, qkv.weight, qkv.scales, qkv.biases, nw, eps] + ([qkv.bias] if bias else [])
-    ins += ([qn, kn, qkeps] if qknorm else []) + [mx.array([off], dtype=mx.int32),
-                                                  mx.array([math.log2(rope.base or 1.0), 1.0], dtype=mx.float32)]
+    head = (("D", D), ("H", H), ("HKV", HKV), ("freqs", freqs), ("keps", 1e-5),
+            ("log2_base", math.log2(rope.base or 1.0)), ("qeps", 1e-6), ("qknorm", qknorm), ("scale", 1.0),
+            ("trad", False), ("L", L))
+    kern, grid, tg = C._gemv_kernel(dt, M, K, qkv.out_features, 4, 64, 3, 1e-6, bias, False, head)
+    ins = [x, qkv.weight, qkv.scales, qkv.biases, nw] + ([qkv.bias] if bias else [])
+    ins += ([qn, kn] if qknorm else []) + [C.offset_array(off)]
     tickets = C.tickets(H + 2 * HKV)
-    ins += ([rope.freqs] if freqs else []) + [kc, vc, tickets]
+    ins += ([rope.freqs] if freqs else []) + [kc, vc, tickets, kc]
     # twice: the tickets must be back to zero after each launch
     for _ in range(2):
         q = kern(inputs=ins, output_shapes=[(B, L, H, D), (M, qkv.out_features)], output_dtypes=[dt, mx.float32],
@@ -215,7 +213,7 @@ def test_attention_multi_token_causal(L):
     q = mx.random.normal((B, L, HKV * G, D)).astype(dt)
     kc = mx.random.normal((B, HKV, S, D)).astype(dt)
     vc = mx.random.normal((B, HKV, S, D)).astype(dt)
-    o = C.attention(q, kc, vc, mx.array([off], dtype=mx.int32), D ** -0.5)
+    o = C.attention(q, kc, vc, C.offset_array(off), D ** -0.5)
     k = kc[:, :, :off + L].astype(mx.float32)
     v = vc[:, :, :off + L].astype(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3).astype(mx.float32), k, v,

@@ -102,6 +102,50 @@ REAL = ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.2-1b", "qwen2.5-0.5b"]
 
 
 @pytest.mark.parametrize("name", REAL)
+def test_fast_block_real_sizes(name, monkeypatch):
+    """One decoder block at real sizes, one decode token after a 260-position cache: the fused
+    block (5 launches, cache written in place) against the stock mlx-lm block on a KVCache."""
+    from mlx_lm.models.cache import KVCache
+    from mlx_fastops.backends.cuda import StaticKVCache
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model(name, bits=4, layers=1, seed=4)
+    a = model.args
+    hkv = a.num_key_value_heads
+    D = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    P = 260
+    k0 = mx.random.normal((1, hkv, P, D), key=mx.random.key(1)).astype(mx.bfloat16)
+    v0 = mx.random.normal((1, hkv, P, D), key=mx.random.key(2)).astype(mx.bfloat16)
+    x = mx.random.normal((1, 1, a.hidden_size), key=mx.random.key(3)).astype(mx.bfloat16)
+    ref_cache = KVCache()
+    ref_cache.update_and_fetch(k0, v0)
+    ref = model.model.layers[0](x, mask=None, cache=ref_cache)
+    mx.eval(ref, ref_cache.keys)
+    mlx_fastops.patch(model)
+    try:
+        cache = StaticKVCache()
+        cache.update_and_fetch(k0, v0)
+        mx.eval(cache.keys, cache.values)
+        out = model.model.layers[0](x, mask=None, cache=cache)
+        mx.eval(out)
+    finally:
+        mlx_fastops.unpatch(model)
+    assert cache.offset == P + 1 and cache.last_reader is not None, "fast path not taken"
+    for h in range(hkv):
+        assert rel(cache.keys[0, h, P], ref_cache.keys[0, h, P]) < 2e-2, ("k", h)
+        assert rel(cache.values[0, h, P], ref_cache.values[0, h, P]) < 2e-2, ("v", h)
+    assert mx.array_equal(cache.keys[:, :, :P], k0) and mx.array_equal(cache.values[:, :, :P], v0)
+    assert rel(out, ref) < 2e-2
+
+
+def rel(a, b):
+    a = np.asarray(a.astype(mx.float32)).astype(np.float64)
+    b = np.asarray(b.astype(mx.float32)).astype(np.float64)
+    assert np.isfinite(a).all(), "non-finite output"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("name", REAL)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_real_sizes_two_layers(name, batch, monkeypatch):
     """Every kernel at the real shapes (hidden, heads, head_dim, vocab) of each model, 2 layers:

@@ -67,56 +67,64 @@ def gemv_config(M, K, N, bits, epi):
 def gemv_inputs(norm, bias, res, head=None):
     names = ["x", "w", "sc", "bi"]
     if norm:
-        names += ["nw", "eps"]
+        names += ["nw"]
     if bias:
         names += ["bias"]
     if res:
         names += ["res"]
     if head is not None:
         if head["qknorm"]:
-            names += ["qn", "kn", "qkeps"]
-        names += ["off", "rb"] + (["rf"] if head["freqs"] else []) + ["kc", "vc", "cnt"]
+            names += ["qn", "kn"]
+        names += ["off"] + (["rf"] if head["freqs"] else []) + ["kc", "vc", "cnt", "after"]
     return names
 
 
-def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, norm=False, bias=False, head=None):
-    """#defines of one GEMV kernel (K and N are run-time values, read from w's shape)."""
-    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=norm, HAS_BIAS=bias)
+def _flt(v):
+    return f"{float(v)!r}f"
+
+
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None):
+    """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
+    eps: the folded input RMSNorm's epsilon (None: no norm)."""
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=eps is not None, HAS_BIAS=bias)
+    if eps is not None:
+        d["EPS"] = _flt(eps)
     if head is not None:
         d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
-                 ROPE_TRAD=head["trad"], ROPE_FREQS=head["freqs"])
+                 QEPS=_flt(head["qeps"]), KEPS=_flt(head["keps"]), ROPE_TRAD=head["trad"],
+                 ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=_flt(head["log2_base"]), ROPE_SCALE=_flt(head["scale"]))
     return d
 
 
 @cached_builder
-def _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, vec, R, nw):
+def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw):
     head = dict(head_items) if head_items else None
-    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, norm, bias, head), dtype)
+    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head), dtype)
     out = ["yq", "ys"] if epi == 3 else ["y"]
-    return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(norm, bias, res, head),
+    return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
                        output_names=out, source=src, ensure_row_contiguous=(epi != 3))
 
 
-def _gemv_kernel(dtype, M, K, N, bits, gs, epi, norm, bias, res, head_items):
-    """(kernel, grid, threadgroup) for this call's sizes."""
+def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items):
+    """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
-    kern = _gemv_build(dtype, M, bits, gs, epi, norm, bias, res, head_items, VEC, R, NW)
+    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW)
     nout = N // 2 if epi == 2 else N
     blocks = -(-nout // (R * NW))
     return kern, (blocks * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
 def gemv(x2d, w, epi=0, norm=None, res=None):
-    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps array) folds an input RMSNorm."""
+    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm."""
     M, K = x2d.shape
     N = w.out_features
     dtype = x2d.dtype
     bias = w.bias is not None and epi == 0
-    kern, grid, tg = _gemv_kernel(dtype, M, K, N, w.bits, w.group_size, epi, norm is not None,
-                                  bias, res is not None, None)
+    kern, grid, tg = _gemv_kernel(dtype, M, K, N, w.bits, w.group_size, epi,
+                                  None if norm is None else float(norm[1]), bias, res is not None, None)
     inputs = [x2d, w.weight, w.scales, w.biases]
     if norm is not None:
-        inputs += list(norm)
+        inputs.append(norm[0])
     if bias:
         inputs.append(w.bias)
     if res is not None:
@@ -213,20 +221,10 @@ def attn_defines(L, H, HKV, D, scale):
 
 def tickets(n):
     """Zeroed int32 tickets for a kernel's last-block merge; every launch leaves them zero again.
-    One buffer per user (FastBlock, op call site), evaluated now: never a lazy broadcast."""
-    t = mx.zeros((n,), dtype=mx.int32)
+    One buffer per user, whose launches must be ordered by their data (a FastBlock's kernels
+    are). At least 16 bytes: out of MLX's small managed pool (see OFF_WORDS)."""
+    t = mx.zeros((max(n, 4),), dtype=mx.int32)
     mx.eval(t)
-    return t
-
-
-_op_tickets = {}
-
-
-def _attn_tickets(n):
-    """Tickets for the decode_attention op (one buffer per size; calls are stream-ordered)."""
-    t = _op_tickets.get(n)
-    if t is None:
-        t = _op_tickets[n] = tickets(n)
     return t
 
 
@@ -244,7 +242,9 @@ def attention(q, kc, vc, off, scale, cnt=None):
     HKV, S = kc.shape[1], kc.shape[2]
     rows = B * L * HKV
     if cnt is None:
-        cnt = _attn_tickets(rows)
+        # Calls from unrelated places may run concurrently in one CUDA graph: fresh tickets each
+        # (a tiny fill kernel that the attention waits for).
+        cnt = mx.zeros((max(rows, 4),), dtype=mx.int32)
     kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale))
     nsplit = attn_splits(S, rows)
     G = H // HKV
@@ -265,6 +265,11 @@ def unsupported_decode_attention(head_dim=None, gqa=None, dtype=None, **_):
     return None
 
 
+# Offsets are int32[OFF_WORDS] (value in [0]): 16 bytes keeps them out of MLX's small pool of
+# managed memory (arrays of <= 8 bytes), where host writes to neighbouring arrays make every
+# kernel that reads one fault. Host-made offsets still fault once on first use; the compiled
+# decode step therefore computes the next offset on the GPU.
+OFF_WORDS = 4
 _off_cache = {}
 
 
@@ -273,7 +278,7 @@ def offset_array(offset):
     if a is None:
         if len(_off_cache) > 256:
             _off_cache.clear()
-        a = _off_cache[offset] = mx.array([offset], dtype=mx.int32)
+        a = _off_cache[offset] = mx.array([offset] + [0] * (OFF_WORDS - 1), dtype=mx.int32)
     return a
 
 
@@ -284,7 +289,7 @@ def decode_attention(q, k_cache, v_cache, length, scale):
             or unsupported_decode_attention(D, H // k_cache.shape[1])):
         return _ref().decode_attention(q, k_cache, v_cache, length, scale)
     if isinstance(length, mx.array):
-        off = (length.reshape(1) - 1).astype(mx.int32)
+        off = mx.pad((length.reshape(1) - 1).astype(mx.int32), (0, OFF_WORDS - 1))
     else:
         if not 0 < int(length) <= k_cache.shape[2]:
             raise ValueError(f"decode_attention: length {length} outside the cache (1..{k_cache.shape[2]})")
@@ -304,19 +309,22 @@ class StaticKVCache(KVCache):
     like KVCache (slice assignment, in place when MLX can donate); the fast decode kernels write
     the new k/v rows straight into `keys`/`values` at `offset`.
 
-    MLX does not see those in-place writes, so the order of the kernels that touch the buffers is
-    made explicit: `last_reader` is the output of the latest fast-path attention over them, and
-    the next writer (the fast path's head kernel, or `update_and_fetch`) is made to depend on it
-    with mx.depends. Without this, steps built lazily with inputs that do not depend on each
-    other (teacher forcing, a batch of independent prompts) could run out of order.
+    MLX does not see those in-place writes, and MLX's CUDA graphs order kernels only by the
+    buffers they declare (a kernel waits for the last kernel that output one of its input
+    buffers). So the order is made explicit: `last_reader` is the output of the latest fast-path
+    attention over the buffers; the next fast-path writer (the head kernel) takes it as an extra
+    input, and stock code that touches the buffers (`update_and_fetch`, growth) evaluates it
+    first. Without this, steps built lazily whose inputs do not depend on each other (teacher
+    forcing) could run out of order in one graph.
     """
 
     step = 1024
     last_reader = None
 
     def _ordered(self):
+        """Finish the fast path's pending kernels before stock ops read or write the buffers."""
         if self.last_reader is not None:
-            self.keys, self.values = mx.depends([self.keys, self.values], [self.last_reader])
+            mx.eval(self.last_reader)
             self.last_reader = None
 
     def reserve(self, B, n_kv, D, dtype, needed):
@@ -343,11 +351,10 @@ class StaticKVCache(KVCache):
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    def fast_buffers(self):
-        """(keys, values) for the fast path's in-place writer: ordered after the last reader."""
-        if self.last_reader is None:
-            return self.keys, self.values
-        return tuple(mx.depends([self.keys, self.values], [self.last_reader]))
+    def fast_inputs(self):
+        """(keys, values, after) for the fast path's in-place writer; `after` is the last reader
+        (the writer's kernel takes it as an input, so it waits for it), else the keys again."""
+        return self.keys, self.values, self.keys if self.last_reader is None else self.last_reader
 
 
 def _quant_ok(m):
@@ -375,24 +382,22 @@ class FastBlock:
         self.scale = float(attn.scale)
         dtype = self.qkv.scales.dtype
         self.dtype = dtype
-        self.in_norm = (block._input_norm.weight, mx.array(block._input_norm.eps, dtype=mx.float32))
-        self.post_norm = (block._post_norm.weight, mx.array(block._post_norm.eps, dtype=mx.float32))
+        self.in_norm = (block._input_norm.weight, float(block._input_norm.eps))
+        self.post_norm = (block._post_norm.weight, float(block._post_norm.eps))
         rope = attn.rope_spec
         self.qknorm = attn.has_qk_norm
-        if self.qknorm:
-            self.qk = [attn._q_norm.weight, attn._k_norm.weight,
-                       mx.array([attn._q_norm.eps, attn._k_norm.eps], dtype=mx.float32)]
-        else:
-            self.qk = []
-        base = rope.base if rope.base is not None else 1.0
-        self.rb = mx.array([math.log2(base), rope.scale], dtype=mx.float32)
+        self.qk = [attn._q_norm.weight, attn._k_norm.weight] if self.qknorm else []
         self.rf = [rope.freqs.astype(mx.float32)] if rope.freqs is not None else []
-        self.trad = bool(rope.traditional)
+        base = rope.base if rope.base is not None else 1.0
+        self.head = (("D", self.D), ("H", self.H), ("HKV", self.HKV), ("freqs", bool(self.rf)),
+                     ("keps", float(attn._k_norm.eps) if self.qknorm else 0.0),
+                     ("log2_base", math.log2(base)), ("qeps", float(attn._q_norm.eps) if self.qknorm else 0.0),
+                     ("qknorm", self.qknorm), ("scale", float(rope.scale)), ("trad", bool(rope.traditional)))
         self.K = self.qkv.in_features
         # this block's own tickets (head kernel: one per q/k/v head; attention: per row and kv head)
         self.head_tickets = tickets(self.H + 2 * self.HKV)
         self.attn_tickets = tickets(MAX_ROWS * self.HKV)
-        mx.eval(self.in_norm, self.post_norm, self.qk, self.rb, self.rf)
+        mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
     @staticmethod
     def unsupported(block):
@@ -431,21 +436,19 @@ class FastBlock:
         M = B * L
         return M <= MAX_ROWS and x.dtype == self.dtype
 
-    def core(self, x, off, kc, vc):
-        """x [B, L, K], off int32[1] (cache length before these tokens) -> (block output, the
-        attention output: the last reader of kc/vc). Writes this step's k/v rows into kc/vc in
-        place; kc/vc must already be ordered after their previous reader (fast_buffers)."""
+    def core(self, x, off, kc, vc, after):
+        """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]) -> (block
+        output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
+        into kc/vc in place, after the kernel that output `after` (the previous reader)."""
         B, L, K = x.shape
         M = B * L
         qkv = self.qkv
-        head = (("D", self.D), ("H", self.H), ("HKV", self.HKV), ("L", L), ("freqs", bool(self.rf)),
-                ("qknorm", self.qknorm), ("trad", self.trad))
         kern, grid, tg = _gemv_kernel(x.dtype, M, K, qkv.out_features, qkv.bits, qkv.group_size, 3,
-                                      True, qkv.bias is not None, False, head)
-        inputs = [x, qkv.weight, qkv.scales, qkv.biases, *self.in_norm]
+                                      self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),))
+        inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0]]
         if qkv.bias is not None:
             inputs.append(qkv.bias)
-        inputs += [*self.qk, off, self.rb, *self.rf, kc, vc, self.head_tickets]
+        inputs += [*self.qk, off, *self.rf, kc, vc, self.head_tickets, after]
         q = kern(inputs=inputs, output_shapes=[(B, L, self.H, self.D), (M, qkv.out_features)],
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
         o = attention(q, kc, vc, off, self.scale, self.attn_tickets)
@@ -461,7 +464,7 @@ class FastBlock:
         B, L, _ = x.shape
         prev = cache.offset
         cache.reserve(B, self.HKV, self.D, x.dtype, prev + L)
-        out, cache.last_reader = self.core(x, offset_array(prev), *cache.fast_buffers())
+        out, cache.last_reader = self.core(x, offset_array(prev), *cache.fast_inputs())
         cache.offset = prev + L
         return out
 
@@ -505,8 +508,11 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
             bufs = []
             for fb, c in zip(blocks, cache):
                 c.reserve(B, fb.HKV, fb.D, fb.dtype, prev + L)
-                bufs.extend(c.fast_buffers())
-            h, *readers = step(inputs, offset_array(prev), *bufs)
+                bufs.extend(c.fast_inputs())
+            dev = self.__dict__.get("_fastops_off")   # (offset value, int32 array on the GPU)
+            off = dev[1] if dev is not None and dev[0] == prev else offset_array(prev)
+            h, off_next, *readers = step(inputs, off, *bufs)
+            object.__setattr__(self, "_fastops_off", (prev + L, off_next))
             for c, r in zip(cache, readers):
                 c.offset = prev + L
                 c.last_reader = r
@@ -538,9 +544,9 @@ def fast_model(model, blocks):
             h = h.astype(dtype)
         readers = []
         for i, fb in enumerate(fasts):
-            h, o = fb.core(h, off, bufs[2 * i], bufs[2 * i + 1])
+            h, o = fb.core(h, off, *bufs[3 * i:3 * i + 3])
             readers.append(o)
-        return [norm(h), *readers]
+        return [norm(h), off + tokens.shape[1], *readers]
 
     # An embedding in another dtype would make stock and fused paths differ: require a match.
     if getattr(embed, "scales", getattr(embed, "weight", None)).dtype != dtype:
