@@ -33,6 +33,16 @@ import mlx_fastops
 from mlx_fastops import synthetic_model
 
 
+def source_digest():
+    """sha1 (12 hex) of the package and kernel sources: names the code that ran, whatever git says."""
+    import hashlib
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha1()
+    for f in sorted([*root.glob("mlx_fastops/**/*.py"), *root.glob("patches/*.json"), *root.glob("cuda/*.cu")]):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def device_name():
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
@@ -121,7 +131,8 @@ def bench_model(name, bits, reps, prompts, gen, log):
 
 def markdown(results, meta):
     lines = [f"# CUDA benchmark: stock mlx-lm vs mlx_fastops (patched)", "",
-             f"device: {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; "
+             f"device: {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; commit {meta['commit']} "
+             f"(sources {meta.get('source', '?')}); "
              f"{meta['reps']} alternating repetitions, median (min-max).", "",
              "| model | test | stock tok/s | patched tok/s | ratio | greedy agreement (first diff / gen) |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -154,8 +165,12 @@ def main():
     if not mx.cuda.is_available():
         sys.exit("cuda_bench: MLX's CUDA backend is not available here")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                      text=True).stdout.strip():
+        commit += "+uncommitted"   # the device gets a working tree whose HEAD may be older
     meta = {"device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-            "python": platform.python_version(), "commit": commit or "?", "reps": a.reps, "gen": a.gen,
+            "python": platform.python_version(), "commit": commit or "?", "source": source_digest(),
+            "reps": a.reps, "gen": a.gen,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     log = lambda s: print(s, flush=True)
     log(json.dumps(meta))
