@@ -63,7 +63,7 @@ _builders = []
 
 
 def cached_builder(fn):
-    """lru_cache that `use_metal_factory` can clear (kernels built by the old factory are dropped)."""
+    """lru_cache that `use_*_factory` can clear (kernels built by the old factory are dropped)."""
     cached = functools.lru_cache(maxsize=None)(fn)
     _builders.append(cached)
     return cached
@@ -74,27 +74,37 @@ def clear_builders():
         b.cache_clear()
 
 
-_metal_factory = mx.fast.metal_kernel
+_factories = {"metal": mx.fast.metal_kernel, "cuda": getattr(mx.fast, "cuda_kernel", None)}
 
 
 def metal_kernel(**kwargs):
     """mx.fast.metal_kernel, or the factory installed by `use_metal_factory`."""
-    return _metal_factory(**kwargs)
+    return _factories["metal"](**kwargs)
+
+
+def cuda_kernel(**kwargs):
+    """mx.fast.cuda_kernel, or the factory installed by `use_cuda_factory`."""
+    return _factories["cuda"](**kwargs)
 
 
 @contextlib.contextmanager
-def use_metal_factory(factory):
-    """Build every Metal kernel with `factory` (same signature as mx.fast.metal_kernel) inside."""
-    global _metal_factory
-    old = _metal_factory
-    _metal_factory = factory
+def _use_factory(kind, factory):
+    old = _factories[kind]
+    _factories[kind] = factory
     clear_builders()
     try:
         yield
     finally:
-        _metal_factory = old
+        _factories[kind] = old
         clear_builders()
 
 
-def cuda_kernel(**kwargs):
-    return mx.fast.cuda_kernel(**kwargs)
+def use_metal_factory(factory):
+    """Build every Metal kernel with `factory` (same signature as mx.fast.metal_kernel) inside."""
+    return _use_factory("metal", factory)
+
+
+def use_cuda_factory(factory):
+    """Build every CUDA kernel with `factory` (same signature as mx.fast.cuda_kernel) inside: the
+    CPU emulator of tests/cuda_emu runs the CUDA backend's wrappers unchanged."""
+    return _use_factory("cuda", factory)

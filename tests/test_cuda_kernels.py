@@ -1,4 +1,8 @@
-"""CUDA kernels (cuda/*.cu) against the reference, on fresh random inputs. Skipped without CUDA.
+"""CUDA kernels (cuda/*.cu) against the reference, on fresh random inputs.
+
+On a machine with MLX's CUDA backend the kernels run on the GPU (`pytest -m cuda`). Everywhere else
+the same tests run the same wrappers through the CPU emulator of tests/cuda_emu (CUDA-emulator-
+verified: logic, indexing, barriers and shuffles; not timing or inter-block races).
 
 Grid: dtypes fp16/bf16 (fp32 for the plain GEMV), bits 4/8, group sizes 32/64/128, 1-8 activation
 rows, sizes that are not tile multiples, negative scales (MLX's quantiser produces them), head_dim
@@ -12,13 +16,26 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")]
+from mlx_fastops import kernels
+from mlx_fastops.backends import cuda as C
+from mlx_fastops.backends import reference as R
+from mlx_fastops.ops.weights import PackedLinear, RopeSpec
 
-if mx.cuda.is_available():
-    from mlx_fastops.backends import cuda as C
-    from mlx_fastops.backends import reference as R
-    from mlx_fastops.ops.weights import PackedLinear, RopeSpec
+pytestmark = [pytest.mark.cuda]
+
+# Stock MLX ops are a second opinion, on the GPU only (within ~1-2% there); the float32 oracle is
+# the first. MLX's CPU backend adds bf16 quantised matmuls up in bf16: 3-5% off at K >= 1024.
+ON_GPU = mx.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def cuda_or_emulator():
+    if mx.cuda.is_available():
+        yield
+        return
+    import cuda_emu
+    with kernels.use_cuda_factory(cuda_emu.cuda_kernel):
+        yield
 
 
 def rel(a, b):
@@ -61,10 +78,10 @@ def test_gemv_plain(dtype, bits, gs, M, K, N):
     ref = x.astype(mx.float32) @ dense(w).T
     if w.bias is not None:
         ref = ref + w.bias.astype(mx.float32)
-    stock = R.linear(x, w)
     assert y.shape == (M, N) and y.dtype == dt
     assert rel(y, ref) < 1e-2
-    assert rel(y, stock) < 2e-2
+    if ON_GPU:
+        assert rel(y, R.linear(x, w)) < 2e-2
 
 
 def test_gemv_fp32():
@@ -90,16 +107,17 @@ def test_gemv_epilogues(dtype, bits, gs, M):
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
     y = C.gemv(x * 3, gu, epi=2, norm=(nw, 1e-6))
     xn = mx.fast.rms_norm(x * 3, nw, 1e-6)
-    ref = R.gate_up_silu(xn, gu)
     g, u = mx.split(xn.astype(mx.float32) @ dense(gu).T, 2, axis=-1)
     exact = nn.silu(g) * u
     assert rel(y, exact) < 1.5e-2
-    assert rel(y, ref) < 3e-2
+    if ON_GPU:
+        assert rel(y, R.gate_up_silu(xn, gu)) < 3e-2
     # public op wrappers
-    assert rel(C.gate_up_silu(xn.reshape(1, M, K), gu), ref.reshape(1, M, N)) < 3e-2
+    assert rel(C.gate_up_silu(xn.reshape(1, M, K), gu), exact.reshape(1, M, N)) < 1.5e-2
     qkv = packed(N + 128 + 128, K, bits, gs, dt, splits=(N, 128, 128))
-    for a, b in zip(C.qkv_proj(x.reshape(M, 1, K), qkv), R.qkv_proj(x.reshape(M, 1, K), qkv)):
-        assert a.shape == b.shape and rel(a, b) < 2e-2
+    full = x.astype(mx.float32) @ dense(qkv).T
+    for a, b in zip(C.qkv_proj(x.reshape(M, 1, K), qkv), mx.split(full, [N, N + 128], axis=-1)):
+        assert a.shape == (M, 1, b.shape[-1]) and rel(a, b.reshape(M, 1, -1)) < 1e-2
 
 
 def test_rows_beyond_8_use_reference():
@@ -153,9 +171,12 @@ def test_head_kernel(D, H, HKV, M, L, qknorm, freqs, bias):
                  grid=grid, threadgroup=tg)[0]
         mx.eval(q)
         assert not np.asarray(tickets).any()
-    # reference: stock ops
+    # reference: the kernel's rounding points (GEMV in float32 -> T), then stock norm and RoPE ops
     xn = mx.fast.rms_norm(x, nw, 1e-6)
-    rq, rk, rv = R.qkv_proj(xn, qkv)
+    y = xn.astype(mx.float32) @ dense(qkv).T
+    if bias:
+        y = y.astype(dt).astype(mx.float32) + qkv.bias.astype(mx.float32)
+    rq, rk, rv = mx.split(y.astype(dt), [H * D, (H + HKV) * D], axis=-1)
     rq, rk = rq.reshape(B, L, H, D), rk.reshape(B, L, HKV, D)
     if qknorm:
         rq, rk = mx.fast.rms_norm(rq, qn, 1e-6), mx.fast.rms_norm(rk, kn, 1e-5)
@@ -219,3 +240,37 @@ def test_attention_multi_token_causal(L):
     ref = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3).astype(mx.float32), k, v,
                                                scale=D ** -0.5, mask="causal")
     assert rel(o, ref.transpose(0, 2, 1, 3)) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "llama-tiny", "qwen2-tiny"])
+def test_fast_decode_path_tiny_model(name, monkeypatch):
+    """The whole fused decode block (5 launches, the StaticKVCache written in place, tickets, the
+    previous reader as an input) on tiny bf16 models, without mx.compile (the emulator runs
+    outside MLX's graph), after a prompt that crosses 256. Teacher-forced along stock's greedy
+    tokens, against the float32 evaluation of the same quantised model: the fused path must pick
+    the oracle's token wherever the oracle's margin is clear, and be no further from it than stock."""
+    from mlx_fastops import fidelity, synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=1)
+    prompt = mx.random.randint(0, model.args.vocab_size, (300,), key=mx.random.key(4))
+    first = fidelity.forced_logits(model, prompt, [0] * 12)
+    tokens = [int(t) for t in mx.argmax(first, axis=-1).tolist()]
+    oracle = fidelity.forced_logits(fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=1)),
+                                    prompt, tokens)
+    stock = fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)
+    report = mlx_fastops.patch(model, disable=("compile",))
+    try:
+        assert any(e.fusion == "fast_decode" and e.status == "fused" for e in report.entries), str(report)
+        got = fidelity.forced_logits(model, prompt, tokens)
+    finally:
+        mlx_fastops.unpatch(model)
+    fused = fidelity.against(got, oracle)
+    assert np.isfinite(np.asarray(got)).all()
+    assert fused["mean_abs"] <= 1.1 * stock["mean_abs"], (fused, stock)
+    o = np.asarray(oracle)
+    top2 = np.sort(o, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] >= 0.5
+    assert clear.sum() >= 4, top2
+    assert (np.asarray(got).argmax(-1)[clear] == o.argmax(-1)[clear]).all()
