@@ -30,6 +30,7 @@ from ..kernels import cached_builder, cuda_kernel, read_source
 _CTYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
 _HALF = (mx.float16, mx.bfloat16)
 MAX_ROWS = 8
+MAX_GQA = 8    # query heads per kv head held in registers by the attention kernel
 LOG2E = 1.4426950408889634
 
 
@@ -258,8 +259,8 @@ def attention(q, kc, vc, off, scale, cnt=None):
 def unsupported_decode_attention(head_dim=None, gqa=None, dtype=None, **_):
     if head_dim not in (64, 128, 256):
         return f"head_dim {head_dim}"
-    if gqa not in (1, 2, 4, 8):
-        return f"GQA group {gqa}"
+    if gqa is None or not 1 <= gqa <= MAX_GQA:
+        return f"GQA group {gqa} (1-{MAX_GQA})"
     if dtype is not None and dtype not in _HALF:
         return f"dtype {dtype}"
     return None
@@ -418,8 +419,8 @@ class FastBlock:
             return f"partial rotary ({rope.dims} of {D})"
         if D not in (64, 128, 256):
             return f"head_dim {D}"
-        if attn.n_heads % attn.n_kv_heads or attn.n_heads // attn.n_kv_heads not in (1, 2, 4, 8):
-            return "GQA group"
+        if attn.n_heads % attn.n_kv_heads or not 1 <= attn.n_heads // attn.n_kv_heads <= MAX_GQA:
+            return f"GQA group {attn.n_heads / attn.n_kv_heads:g} (1-{MAX_GQA})"
         if qkv.scales.dtype not in _HALF:
             return f"dtype {qkv.scales.dtype}"
         if type(block._input_norm) is not nn.RMSNorm or type(block._post_norm) is not nn.RMSNorm:
