@@ -82,3 +82,13 @@ def test_unwritten_outputs_are_poisoned():
     y = run("if (threadIdx.x < 64) y[threadIdx.x] = 1.f;", [mx.zeros((1,))], (128,))
     y = np.asarray(y)
     assert (y[:64] == 1).all() and np.isnan(y[64:]).all()
+
+
+def test_shared_memory_is_poisoned_between_blocks():
+    # block 0 writes s before reading it; block 1 forgets to: it must not see block 0's value
+    src = """__shared__ float s[32];
+    if (blockIdx.x == 0) s[threadIdx.x] = 1.f;
+    __syncthreads();
+    y[blockIdx.x * 32 + threadIdx.x] = s[threadIdx.x];"""
+    y = np.asarray(run(src, [mx.zeros((1,))], (64,), grid=(64, 1, 1), tg=(32, 1, 1)))
+    assert (y[:32] == 1).all() and np.isnan(y[32:]).all()

@@ -13,8 +13,10 @@ Fast decode path (`fast_block`): a whole decoder block in 5 launches when the la
   3. o_proj GEMV + residual add
   4. post-attention RMSNorm + gate/up GEMV + SiLU*up
   5. down GEMV + residual add
-Kernel objects are built lazily, once per (kernel, static shape class); per-step values (cache
-offset) are int32 arrays, the cache size is read from the buffer's shape at run time.
+Kernel objects are built lazily, once per (kernel, static shape class); model constants (norm
+eps, RoPE base) are #defines; per-step values (the cache offset) are int32 arrays of 16 bytes; the
+cache buffers are read and written through their strides. Without a GPU the same wrappers run
+through the CPU emulator of tests/cuda_emu (`kernels.use_cuda_factory`).
 """
 
 import hashlib
@@ -237,8 +239,9 @@ def _attn_kernel(dtype, L, H, HKV, D, scale):
 
 
 def attention(q, kc, vc, off, scale, cnt=None):
-    """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] full contiguous buffers, off int32[1]
-    -> [B, L, H, D]. cnt: int32 tickets, at least B*L*HKV, all zero (left zero)."""
+    """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] cache buffers (read by strides; last axis
+    contiguous), off int32[OFF_WORDS] (positions before this step in [0]) -> [B, L, H, D].
+    cnt: int32 tickets, at least B*L*HKV, all zero (left zero)."""
     B, L, H, D = q.shape
     HKV, S = kc.shape[1], kc.shape[2]
     rows = B * L * HKV

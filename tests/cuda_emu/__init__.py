@@ -43,6 +43,10 @@ struct Strides { int64_t d[10]; int64_t operator[](int i) const { return d[i]; }
 """
 
 
+# `__shared__ TYPE NAME[..][..];` (the only form the kernels use)
+_SHARED = re.compile(r"__shared__\s+([\w:]+)\s+(\w+)((?:\s*\[[^\]]*\])*)\s*;")
+
+
 class KernelError(RuntimeError):
     pass
 
@@ -88,7 +92,9 @@ class EmuCudaKernel:
             params.append(f"{_CTYPES[dt]}* {n}")
             unpack.append(f"({_CTYPES[dt]}*)a[{i}]")
             i += 1
-        return (PRE + self.header + f"\nstatic void body({', '.join(params)}) {{\n{self.source}\n}}\n"
+        body = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; ::cuemu::shared_region(&{m[2]}, sizeof({m[2]}));",
+                           self.source)
+        return (PRE + self.header + f"\nstatic void body({', '.join(params)}) {{\n{body}\n}}\n"
                 f"extern \"C\" void entry(void** a) {{ body({', '.join(unpack)}); }}\n")
 
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value=None,

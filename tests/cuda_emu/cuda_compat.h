@@ -5,8 +5,9 @@
 // can run, the scheduler completes the collectives whose lanes have all arrived, then the barrier
 // once every live thread waits at it, and reports a deadlock otherwise (e.g. a shuffle whose mask
 // names a lane that left the loop, or a barrier some threads never reach).
-// __shared__ variables are statics (blocks run one after another; their contents are undefined at
-// block start, as on a GPU). Atomics are plain (one OS thread); fences are no-ops.
+// __shared__ variables become statics (blocks run one after another) that are filled with 0xFF bytes
+// (NaN, -1) before every block but the first, so a read before any write shows (the Python side
+// rewrites each declaration to register it). Atomics are plain (one OS thread); fences are no-ops.
 #pragma once
 #include <cmath>
 #include <math.h>
@@ -22,7 +23,6 @@
 #define __forceinline__ inline
 #define __restrict__
 #define __grid_constant__
-#define __shared__ static
 
 namespace cuemu {
 
@@ -41,7 +41,13 @@ struct Lane {
   uint64_t val = 0, res = 0;
 };
 
+struct Region {
+  void* p;
+  size_t n;
+};
+
 struct State {
+  std::vector<Region> shared;
   std::vector<Lane> lanes;
   std::vector<char> stacks;
   ucontext_t sched;
@@ -61,6 +67,12 @@ inline void yield_as(int state) {
   State& s = S();
   s.lanes[s.cur].state = state;
   swapcontext(&s.lanes[s.cur].ctx, &s.sched);
+}
+
+inline void shared_region(void* p, size_t n) {
+  for (auto& r : S().shared)
+    if (r.p == p) return;
+  S().shared.push_back(Region{p, n});
 }
 
 template <typename V>
@@ -204,6 +216,7 @@ inline std::string run_block(int nthreads) {
   State& s = S();
   constexpr size_t kStack = 128 * 1024;
   if (s.stacks.size() < kStack * nthreads) s.stacks.resize(kStack * nthreads);
+  for (auto& r : s.shared) std::memset(r.p, 0xFF, r.n);
   s.lanes.assign(nthreads, Lane());
   for (int t = 0; t < nthreads; ++t) {
     Lane& l = s.lanes[t];
