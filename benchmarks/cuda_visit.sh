@@ -5,6 +5,7 @@
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
 #   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models (~2-5 min)
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
+#   bash benchmarks/cuda_visit.sh layer    # the experimental one-launch layer: tests, trace, 0.6B bench (~4 min)
 set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
@@ -30,5 +31,12 @@ case "$mode" in
   kernels)
     timeout 150 python3 benchmarks/cuda_kernels.py --out benchmarks/results/cuda_kernels > "$OUT/kernels.log" 2>&1
     tail -25 "$OUT/kernels.log"; cp benchmarks/results/cuda_kernels.* "$OUT/" ;;
+  layer)
+    timeout 150 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k "one_launch or tiny_model" \
+      -p no:cacheprovider > "$OUT/test_layer.log" 2>&1; tail -5 "$OUT/test_layer.log"
+    MLX_FASTOPS_LAYER_KERNEL=1 timeout 120 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace_layer.log" 2>&1
+    grep "^wall\|^## " "$OUT/trace_layer.log"
+    MLX_FASTOPS_LAYER_KERNEL=1 timeout 150 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b \
+      --out "$OUT/bench_layer" > "$OUT/bench_layer.log" 2>&1; tail -14 "$OUT/bench_layer.log" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -18,7 +18,8 @@
 // output), and the last block to finish (atomic ticket on cnt[b*L*HKV + kv head], an input written
 // through a const_cast that the last block resets to 0) merges them: one launch.
 //
-// Defines: T, L, H, HKV, D, G, NW, MINCH, SCALE_LOG2.
+// Defines: T, L, H, HKV, D, G, NW, MINCH, SCALE_LOG2; BLOCK_X/Y/Z, GRID_X: the block's coordinates
+// (blockIdx/gridDim in a launch of its own; set by the caller when it is one phase of a launch).
 // Inputs: q, kc, vc, off, cnt.   Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32,
 //   po [B*L*HKV, nsplit, G, D] f32.
 
@@ -27,10 +28,10 @@
   constexpr int SLOTS = NW * PPW;
   constexpr int MAXSPLIT = 64;
 
-  const int split = blockIdx.x;
-  const int nsplit = gridDim.x;
-  const int hk = blockIdx.y;
-  const int bl = blockIdx.z;
+  const int split = BLOCK_X;
+  const int nsplit = GRID_X;
+  const int hk = BLOCK_Y;
+  const int bl = BLOCK_Z;
   const int b = bl / L, l = bl % L;
   const int n = off[0] + l + 1;
   const int CH = max((n + nsplit - 1) / nsplit, MINCH);

@@ -29,7 +29,8 @@
 //                const_cast: MLX never sees the write; later readers are ordered after this
 //                launch through their use of yq). The completing block resets its ticket to 0.
 //
-// Defines set by the wrapper: T, BITS, GS, M, R, NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, and for
+// Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
+// fused launch), BITS, GS, M, R, NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -49,7 +50,7 @@
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * NW + warp) * R;
+  const int row0 = (BLOCK_X * NW + warp) * R;
 
   int wrow[RR];
 #pragma unroll
@@ -258,7 +259,7 @@
 #if EPI == 3
   // ---- head epilogue, by the block that completes the head ----
   constexpr int PARTS = D / (NW * R);            // blocks per head
-  const int hb = (blockIdx.x * NW * R) / D;      // head index over q, k, v heads
+  const int hb = (BLOCK_X * NW * R) / D;         // head index over q, k, v heads
   __shared__ int s_last;
   __threadfence();
   __syncthreads();

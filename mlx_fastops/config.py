@@ -2,6 +2,8 @@
 
 MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FUSIONS)
 MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
+MLX_FASTOPS_LAYER_KERNEL=1   CUDA, experimental: each decoder layer of the fast decode path in one
+                      launch instead of 5 (emulator-verified; not yet run on a GPU)
 """
 
 import contextlib

@@ -28,14 +28,14 @@ PRE = r"""
 #include <cuda/std/cstdint>
 #define INFINITY __int_as_float(0x7f800000)  // MLX's preamble brings math.h's
 using cuda::std::uint32_t; using cuda::std::int32_t; using cuda::std::int64_t;
+namespace mlx::core::cu {   // MLX's device/utils.cuh: cuda::std::array<int32_t / int64_t, 10>
 struct Shape { int32_t d[10]; __device__ int32_t operator[](int i) const { return d[i]; } };
 struct Strides { int64_t d[10]; __device__ int64_t operator[](int i) const { return d[i]; } };
-namespace mlx { namespace core { namespace cu {
-namespace cg = cooperative_groups;
+}
 """
 
 
-def wrap(name, src, inputs, outputs):
+def wrap(name, src, inputs, outputs, header=""):
     params = []
     for n, t in inputs:
         params.append(f"const {t}* {n}")
@@ -45,7 +45,9 @@ def wrap(name, src, inputs, outputs):
             params.append(f"const __grid_constant__ Strides {n}_strides")
     for n, t in outputs:
         params.append(f"{t}* {n}")
-    return PRE + f"__global__ void {name}(" + ", ".join(params) + ") {\n" + src + "\n}\n}}}\n"
+    # as MLX builds it: header, then the kernel inside namespace mlx::core::cu
+    return (PRE + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void {name}(" + ", ".join(params) + ") {\n" + src + "\n}\n}\n")
 
 
 def _find(patterns):
@@ -101,8 +103,26 @@ def attn_case(dtype, L, H, HKV, D):
     return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
 
 
+def layer_case(M, head, nsplit, shapes, bias=False):
+    """The one-launch decoder layer (C._layer_build), captured instead of built."""
+    from mlx_fastops import kernels
+    with kernels.use_cuda_factory(lambda **kw: kw):
+        kw, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088)
+    T = C._CTYPE[mx.bfloat16]
+    typ = lambda n: "uint32_t" if n.endswith("_w") else ("int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr")
+                                                         else ("float" if n == "rf" else T))
+    ins = [(n, typ(n)) for n in kw["input_names"]]
+    outs = [(n, "float" if n in ("ys", "pm", "po") else T) for n in kw["output_names"]]
+    return wrap(f"layer_m{M}", kw["source"], ins, outs, kw["header"]), 128
+
+
 def cases():
     bf, f16 = mx.bfloat16, mx.float16
+    q06 = dict(D=128, H=16, HKV=8, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
+               log2_base=19.93, scale=1.0)
+    shapes06 = ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072))
+    for M in (1, 2):
+        yield f"layer qwen3-0.6b M{M}", layer_case(M, {**q06, "L": 1}, 33, shapes06)
     for M in (1, 2, 3, 8):
         for bits in (4, 8):
             yield f"gemv plain M{M} b{bits}", gemv_case(bf, M, 1024, 4096, bits, 64, 0, False, True, False)

@@ -275,3 +275,40 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
     clear = top2[:, 1] - top2[:, 0] >= 0.5
     assert clear.sum() >= 4, top2
     assert (np.asarray(got).argmax(-1)[clear] == o.argmax(-1)[clear]).all()
+
+
+@pytest.mark.parametrize("name,batch", [("qwen3-tiny", 1), ("llama-tiny", 2), ("qwen2-tiny", 1)])
+def test_one_launch_layer_matches_five_launches(name, batch, monkeypatch):
+    """The experimental one-launch decoder layer (MLX_FASTOPS_LAYER_KERNEL=1) computes exactly what
+    the 5-launch path computes: same outputs and same cache rows, bit for bit."""
+    from mlx_fastops import synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
+    mlx_fastops.patch(model, disable=("compile",))
+    try:
+        fb = model.model.layers[0].fast_fn
+        a = model.args
+        P, D = 270, fb.D
+        k0 = mx.random.normal((batch, fb.HKV, 512, D)).astype(mx.bfloat16)
+        v0 = mx.random.normal((batch, fb.HKV, 512, D)).astype(mx.bfloat16)
+        x = mx.random.normal((batch, 1, a.hidden_size)).astype(mx.bfloat16)
+        off = C.offset_array(P)
+        results = []
+        for one in (False, True):
+            fb.one_launch = one
+            kc, vc = k0 + 0, v0 + 0
+            mx.eval(kc, vc)
+            out, o = fb.core(x, off, kc, vc, kc)
+            mx.eval(out, o)
+            results.append((out, o, kc, vc))
+        assert not np.asarray(fb.layer_counters).any(), "counters not reset"
+    finally:
+        fb.one_launch = False
+        mlx_fastops.unpatch(model)
+    (out5, o5, kc5, vc5), (out1, o1, kc1, vc1) = results
+    assert np.isfinite(np.asarray(out1.astype(mx.float32))).all()
+    for a5, a1 in ((out5, out1), (o5, o1), (kc5, kc1), (vc5, vc1)):
+        assert mx.array_equal(a5, a1)
+    assert not mx.array_equal(kc1[:, :, P], k0[:, :, P])   # the new row was written

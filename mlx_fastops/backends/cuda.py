@@ -21,6 +21,7 @@ through the CPU emulator of tests/cuda_emu (`kernels.use_cuda_factory`).
 
 import hashlib
 import math
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,8 +37,13 @@ MAX_GQA = 8    # query heads per kv head held in registers by the attention kern
 LOG2E = 1.4426950408889634
 
 
+# A kernel in a launch of its own finds its block through blockIdx/gridDim.
+STANDALONE = dict(BLOCK_X="blockIdx.x", BLOCK_Y="blockIdx.y", BLOCK_Z="blockIdx.z", GRID_X="gridDim.x")
+
+
 def source(filename, defines, dtype):
     """Kernel body: #defines for the static shape class, the T alias, then the file's body."""
+    defines = {**STANDALONE, **defines}
     lines = [f"#define {k} {int(v) if isinstance(v, bool) else v}" for k, v in defines.items()]
     lines.append(f"using T = {_CTYPE[dtype]};")
     return "\n".join(lines) + "\n" + read_source("cuda", filename)
@@ -303,6 +309,144 @@ def decode_attention(q, k_cache, v_cache, length, scale):
 
 
 # ---------------------------------------------------------------------------------------------
+# One launch per decoder layer (experimental, MLX_FASTOPS_LAYER_KERNEL=1)
+# ---------------------------------------------------------------------------------------------
+
+# A decode step is bound by MLX's host cost per kernel node (~10 us), not by the GPU
+# (benchmarks/results/cuda_notes.md). This launch runs the 5 kernels of the fast path as 5 groups of
+# blocks, in launch order; a block of group g first waits until every block of group g-1 has
+# finished (a global counter). Blocks are dispatched in increasing index order, so the blocks
+# waited for are already resident or done: no co-residency is needed. Each group's code is the
+# unchanged kernel file, compiled as a device function with its own defines (BLOCK_X... = its
+# block's coordinates within the group).
+
+
+_LAYER_HELPERS = r"""
+__device__ __forceinline__ void layer_done(const int* ctr, int g) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(const_cast<int*>(ctr) + g, 1);
+  }
+}
+__device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
+  if (threadIdx.x == 0) {
+    int spins = 0;
+    while (atomicAdd(const_cast<int*>(ctr) + g, 0) < n) {
+      // Never for long: the blocks waited for were dispatched first. A trap (~1 s) beats a hang.
+      if (++spins > (1 << 22)) __trap();
+      __nanosleep(200);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+"""
+
+_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "cnt": "const int32_t*", "rf": "const float*",
+           "ys": "float*", "pm": "float*", "po": "float*"}
+
+
+def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=()):
+    """A kernel file as `__device__ void fname(int blk, ...)`; parameters in MLX's naming."""
+    T = _CTYPE[dtype]
+    params = ["int blk"]
+    for n in inputs:
+        params.append(f"{_PTYPES.get(n, f'const {T}*')} {n}")
+        if n in shaped:
+            params.append(f"const Shape& {n}_shape")
+        if n in strided:
+            params.append(f"const Strides& {n}_strides")
+    params += [f"{_PTYPES.get(n, f'{T}*')} {n}" for n in outputs]
+    body = source(filename, defines, dtype)
+    undef = "\n".join(f"#undef {k}" for k in {**STANDALONE, **defines})
+    return f"__device__ void {fname}({', '.join(params)}) {{\n{body}\n}}\n{undef}\n"
+
+
+@cached_builder
+def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale):
+    """shapes: ((bits, gs, N, K) of qkv, o, gate_up, down)."""
+    head = dict(head_items)
+    L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
+    (qb, qg, qN, qK), (ob, og, oN, oK), (gb, gg, gN, gK), (db, dg, dN, dK) = shapes
+    groups = []
+    header = [_LAYER_HELPERS]
+
+    def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
+        vec, R, nw = gemv_config(M, K, N, bits, epi)
+        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
+        d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
+        ins = gemv_inputs(eps is not None, has_bias, res, hd)
+        outs = ["yq", "ys"] if epi == 3 else ["y"]
+        header.append(_phase(name, "gemv.cu", d, dtype, ins, outs, shaped=("w",), strided=("kc", "vc")))
+        nout = N // 2 if epi == 2 else N
+        groups.append(-(-nout // (R * nw)))
+
+    gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
+    ad = attn_defines(L, H, HKV, D, scale)
+    ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {HKV})",
+              BLOCK_Z=f"(blk / {nsplit * HKV})", GRID_X=nsplit)
+    header.append(_phase("layer_attn", "attention.cu", ad, dtype, ["q", "kc", "vc", "off", "cnt"],
+                         ["o", "pm", "po"], strided=("kc", "vc")))
+    groups.append(nsplit * HKV * M)
+    gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
+    gemv_phase("layer_gate_up", gb, gg, gN, gK, 2, eps_post, False, False, None)
+    gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
+    n = groups
+    qkv_in = ["x", "qkv_w", "qkv_w_shape", "qkv_sc", "qkv_bi", "in_nw"] + (["qkv_bias"] if bias else [])
+    qkv_in += (["qn", "kn"] if head["qknorm"] else []) + ["off"] + (["rf"] if head["freqs"] else [])
+    qkv_in += ["kc", "kc_strides", "vc", "vc_strides", "head_cnt", "after"]
+    body = f"""
+  int blk = blockIdx.x;
+  if (blk < {n[0]}) {{
+    layer_qkv(blk, {", ".join(qkv_in)}, yq, ys);
+    layer_done(ctr, 0);
+    return;
+  }}
+  blk -= {n[0]};
+  if (blk < {n[1]}) {{
+    layer_wait(ctr, 0, {n[0]});
+    layer_attn(blk, yq, kc, kc_strides, vc, vc_strides, off, attn_cnt, o, pm, po);
+    layer_done(ctr, 1);
+    return;
+  }}
+  blk -= {n[1]};
+  if (blk < {n[2]}) {{
+    layer_wait(ctr, 1, {n[1]});
+    layer_o(blk, o, o_w, o_w_shape, o_sc, o_bi, x, h);
+    layer_done(ctr, 2);
+    return;
+  }}
+  blk -= {n[2]};
+  if (blk < {n[3]}) {{
+    layer_wait(ctr, 2, {n[2]});
+    layer_gate_up(blk, h, gu_w, gu_w_shape, gu_sc, gu_bi, post_nw, a);
+    layer_done(ctr, 3);
+    return;
+  }}
+  blk -= {n[3]};
+  layer_wait(ctr, 3, {n[3]});
+  layer_down(blk, a, dn_w, dn_w_shape, dn_sc, dn_bi, h, out);
+  __syncthreads();
+  if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
+    __threadfence();
+    int* c = const_cast<int*>(ctr);
+    if (atomicAdd(c + 4, 1) == {n[4]} - 1) {{
+      for (int i = 0; i < 5; ++i) c[i] = 0;
+    }}
+  }}
+"""
+    inputs = [i for i in qkv_in if not i.endswith(("_shape", "_strides"))]
+    inputs += ["attn_cnt", "o_w", "o_sc", "o_bi", "gu_w", "gu_sc", "gu_bi", "post_nw", "dn_w", "dn_sc", "dn_bi", "ctr"]
+    # MLX puts the header before its `namespace mlx::core::cu {` (where Shape and Strides live)
+    header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
+    kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs,
+                       output_names=["out", "yq", "ys", "o", "pm", "po", "h", "a"],
+                       header=header, source=body, ensure_row_contiguous=False)
+    return kern, sum(n)
+
+
+# ---------------------------------------------------------------------------------------------
 # Static KV cache and the fused decode block
 # ---------------------------------------------------------------------------------------------
 
@@ -401,6 +545,8 @@ class FastBlock:
         # this block's own tickets (head kernel: one per q/k/v head; attention: per row and kv head)
         self.head_tickets = tickets(self.H + 2 * self.HKV)
         self.attn_tickets = tickets(MAX_ROWS * self.HKV)
+        self.layer_counters = tickets(5)   # the one-launch layer's group counters
+        self.one_launch = os.environ.get("MLX_FASTOPS_LAYER_KERNEL", "0") == "1"
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
     @staticmethod
@@ -444,6 +590,8 @@ class FastBlock:
         """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]) -> (block
         output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
         into kc/vc in place, after the kernel that output `after` (the previous reader)."""
+        if self.one_launch:
+            return self.core_one_launch(x, off, kc, vc, after)
         B, L, K = x.shape
         M = B * L
         qkv = self.qkv
@@ -461,6 +609,31 @@ class FastBlock:
         a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
         out = gemv(a, self.down, epi=1, res=h)
         return out.reshape(B, L, K), o
+
+    def core_one_launch(self, x, off, kc, vc, after):
+        """`core` as a single launch (experimental; see _layer_build): same arithmetic, same outputs."""
+        B, L, K = x.shape
+        M = B * L
+        qkv, o_w, gu, dn = self.qkv, self.o, self.gate_up, self.down
+        nsplit = attn_splits(kc.shape[2], M * self.HKV)
+        shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, o_w, gu, dn))
+        kern, nblocks = _layer_build(x.dtype, M, shapes, self.in_norm[1], self.post_norm[1],
+                                     qkv.bias is not None, self.head + (("L", L),), nsplit, self.scale)
+        inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0]]
+        inputs += ([qkv.bias] if qkv.bias is not None else []) + self.qk + [off] + self.rf
+        inputs += [kc, vc, self.head_tickets, after, self.attn_tickets, o_w.weight, o_w.scales, o_w.biases,
+                   gu.weight, gu.scales, gu.biases, self.post_norm[0], dn.weight, dn.scales, dn.biases,
+                   self.layer_counters]
+        G = self.H // self.HKV
+        f32 = mx.float32
+        out, _, _, o, _, _, _, _ = kern(
+            inputs=inputs,
+            output_shapes=[(B, L, K), (B, L, self.H, self.D), (M, qkv.out_features), (B, L, self.H, self.D),
+                           (M * self.HKV, nsplit, G, 2), (M * self.HKV, nsplit, G, self.D), (M, K),
+                           (M, gu.out_features // 2)],
+            output_dtypes=[x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype],
+            grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))
+        return out, o
 
     def __call__(self, x, cache):
         if not self.supports(x):

@@ -38,8 +38,11 @@ _NP = {mx.float16: np.float16, mx.bfloat16: np.uint16, mx.float32: np.float32, m
        mx.uint32: np.uint32, mx.int64: np.int64, mx.uint8: np.uint8}
 
 PRE = """#include "cuda_compat.h"
+namespace mlx::core::cu {   // where MLX's preamble defines them
 struct Shape { int32_t d[10]; int32_t operator[](int i) const { return d[i]; } };
 struct Strides { int64_t d[10]; int64_t operator[](int i) const { return d[i]; } };
+}
+using namespace mlx::core::cu;
 """
 
 
@@ -94,7 +97,9 @@ class EmuCudaKernel:
             i += 1
         body = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; ::cuemu::shared_region(&{m[2]}, sizeof({m[2]}));",
                            self.source)
-        return (PRE + self.header + f"\nstatic void body({', '.join(params)}) {{\n{body}\n}}\n"
+        header = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; ::cuemu::shared_region(&{m[2]}, sizeof({m[2]}));",
+                             self.header)
+        return (PRE + header + f"\nstatic void body({', '.join(params)}) {{\n{body}\n}}\n"
                 f"extern \"C\" void entry(void** a) {{ body({', '.join(unpack)}); }}\n")
 
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value=None,

@@ -112,6 +112,11 @@ inline V __shfl_sync(unsigned mask, V v, int src) {
   return ::cuemu::exchange<V>(mask, v, src & 31);
 }
 inline void __threadfence() {}
+inline void __nanosleep(unsigned) {}
+inline void __trap() {
+  ::cuemu::S().err = "__trap()";
+  ::cuemu::yield_as(::cuemu::DONE);
+}
 inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p += v; return o; }
 inline float atomicAdd(float* p, float v) { float o = *p; *p += v; return o; }
