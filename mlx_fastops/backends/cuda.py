@@ -323,11 +323,9 @@ def decode_attention(q, k_cache, v_cache, length, scale):
 
 _LAYER_HELPERS = r"""
 __device__ __forceinline__ void layer_done(const int* ctr, int g) {
+  __threadfence();   // every thread's writes, then the block's arrival
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(const_cast<int*>(ctr) + g, 1);
-  }
+  if (threadIdx.x == 0) atomicAdd(const_cast<int*>(ctr) + g, 1);
 }
 __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
   if (threadIdx.x == 0) {
@@ -427,9 +425,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
   blk -= {n[3]};
   layer_wait(ctr, 3, {n[3]});
   layer_down(blk, a, dn_w, dn_w_shape, dn_sc, dn_bi, h, out);
+  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
-    __threadfence();
     int* c = const_cast<int*>(ctr);
     if (atomicAdd(c + 4, 1) == {n[4]} - 1) {{
       for (int i = 0; i < 5; ++i) c[i] = 0;
