@@ -545,6 +545,6 @@ def test_compile_strict_api_reports_lint_and_passes_clean_source():
 def test_fixture_installs_factory_into_package(metal_kernel_factory, metal_backend):
     from mlx_fastops import kernels
 
-    assert kernels._metal_factory is metal_kernel_factory
+    assert kernels._factories["metal"] is metal_kernel_factory
     if metal_backend == "emulator":
         assert metal_kernel_factory is metal_emu.metal_kernel
