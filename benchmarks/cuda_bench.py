@@ -1,11 +1,12 @@
-"""Stock vs patched mlx-lm on MLX's CUDA backend: prefill and decode, alternating in one process.
+"""Stock vs patched mlx-lm on MLX's CUDA backend: prefill and decode, in turn in one process.
 
     python3 benchmarks/cuda_bench.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b,llama-3.2-1b]
         [--bits 4] [--reps 3] [--prompts 512,2048] [--gen 128] [--out benchmarks/results/cuda_bench]
 
-Two copies of each synthetic model (same seed, so the same weights) are built: one stays stock,
-the other is patched (MLX_FASTOPS_BACKEND=cuda). Each repetition runs stock then patched (order
-alternates between repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
+Copies of each synthetic model (same seed, so the same weights) are built: one stays stock, one
+is patched (MLX_FASTOPS_BACKEND=cuda), and with --one-launch a third is patched with the
+experimental one-launch layer. Each repetition runs every variant (the order rotates between
+repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
 (greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
 definition), decode tok/s = (gen - 1) / time from the first to the last token. Reports median and
 spread (min-max), the ratio, greedy agreement of the two runs, and a host/GPU split of one decode
@@ -87,69 +88,91 @@ def stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
-def bench_model(name, bits, reps, prompts, gen, log):
+def build_variants(name, bits, one_launch):
+    """[(tag, model)]: stock, patched (5 launches per layer), and with --one-launch the experimental
+    one-launch layer (MLX_FASTOPS_LAYER_KERNEL=1 while patching). Same seed: same weights."""
+    variants = [("stock", synthetic_model(name, bits=bits)), ("patched", synthetic_model(name, bits=bits))]
+    reports = {"patched": mlx_fastops.patch(variants[1][1])}
+    if one_launch:
+        m = synthetic_model(name, bits=bits)
+        os.environ["MLX_FASTOPS_LAYER_KERNEL"] = "1"
+        try:
+            reports["one-launch"] = mlx_fastops.patch(m)
+        finally:
+            del os.environ["MLX_FASTOPS_LAYER_KERNEL"]
+        variants.append(("one-launch", m))
+    return variants, reports
+
+
+def bench_model(name, bits, reps, prompts, gen, log, one_launch=False):
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     t0 = time.perf_counter()
-    stock = synthetic_model(name, bits=bits)
-    fused = synthetic_model(name, bits=bits)
-    report = mlx_fastops.patch(fused)
+    variants, reports = build_variants(name, bits, one_launch)
     log(f"{name}: models built and patched in {time.perf_counter() - t0:.1f}s")
-    log(str(report))
-    vocab = stock.args.vocab_size
-    out = {"model": name, "bits": bits, "group_size": 64, "patch": report.to_dict(), "prompts": {}}
+    log(str(reports["patched"]))
+    tags = [t for t, _ in variants]
+    vocab = variants[0][1].args.vocab_size
+    out = {"model": name, "bits": bits, "group_size": 64, "variants": tags,
+           "patch": reports["patched"].to_dict(), "prompts": {}}
     for p in prompts:
         prompt = mx.random.randint(0, vocab, (p,), key=mx.random.key(p))
-        # warm-up both (kernel compiles, compile traces, cache growth)
-        run_once(stock, prompt, 8)
-        run_once(fused, prompt, 8)
-        res = {"stock": {"pp": [], "tg": []}, "patched": {"pp": [], "tg": []}, "agree": []}
+        for _, m in variants:   # warm-up (kernel compiles, compile traces, cache growth)
+            run_once(m, prompt, 8)
+        res = {t: {"pp": [], "tg": []} for t in tags}
+        agree = {t: [] for t in tags[1:]}
         for r in range(reps):
-            order = [("stock", stock), ("patched", fused)]
-            if r % 2:
-                order.reverse()
+            order = variants[r % len(variants):] + variants[:r % len(variants)]   # rotate: each goes first
             toks = {}
             for tag, m in order:
                 pp, tg, tk = run_once(m, prompt, gen)
                 res[tag]["pp"].append(pp)
                 res[tag]["tg"].append(tg)
                 toks[tag] = tk
-            same = next((i for i, (a, b) in enumerate(zip(toks["stock"], toks["patched"])) if a != b), gen)
-            res["agree"].append(same)
-            log(f"  {name} p={p} rep {r}: stock pp {res['stock']['pp'][-1]:.0f} tg {res['stock']['tg'][-1]:.1f} | "
-                f"patched pp {res['patched']['pp'][-1]:.0f} tg {res['patched']['tg'][-1]:.1f} | agree {same}/{gen}")
-        entry = {k: {m: stats(v) for m, v in res[k].items()} for k in ("stock", "patched")}
-        entry["agree_first_tokens"] = res["agree"]
-        bs, es = host_split(stock, prompt)
-        bf, ef = host_split(fused, prompt)
-        entry["host_split_ms"] = {"stock": {"build": bs, "eval": es}, "patched": {"build": bf, "eval": ef}}
-        log(f"  host split ms/step: stock build {bs:.2f} eval {es:.2f} | patched build {bf:.2f} eval {ef:.2f}")
+            for t in tags[1:]:
+                agree[t].append(next((i for i, (a, b) in enumerate(zip(toks["stock"], toks[t])) if a != b), gen))
+            log(f"  {name} p={p} rep {r}: " + " | ".join(
+                f"{t} pp {res[t]['pp'][-1]:.0f} tg {res[t]['tg'][-1]:.1f}" for t in tags)
+                + f" | agree {[agree[t][-1] for t in tags[1:]]}/{gen}")
+        entry = {t: {k: stats(v) for k, v in res[t].items()} for t in tags}
+        entry["agree_first_tokens"] = agree["patched"]
+        entry["agree_first_tokens_by_variant"] = agree
+        entry["host_split_ms"] = {}
+        for t, m in variants:
+            b, e = host_split(m, prompt)
+            entry["host_split_ms"][t] = {"build": b, "eval": e}
+        log("  host split ms/step: " + " | ".join(
+            f"{t} build {v['build']:.2f} eval {v['eval']:.2f}" for t, v in entry["host_split_ms"].items()))
         out["prompts"][str(p)] = entry
-    del stock, fused
+    del variants
     mx.clear_cache()
     return out
 
 
 def markdown(results, meta):
+    tags = results[0]["variants"] if results else ["stock", "patched"]
+    cols = "".join(f" {t} tok/s | ratio |" for t in tags[1:])
     lines = [f"# CUDA benchmark: stock mlx-lm vs mlx_fastops (patched)", "",
              f"device: {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; commit {meta['commit']} "
              f"(sources {meta.get('source', '?')}); "
-             f"{meta['reps']} alternating repetitions, median (min-max).", "",
-             "| model | test | stock tok/s | patched tok/s | ratio | greedy agreement (first diff / gen) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"{meta['reps']} rotating repetitions, median (min-max).", "",
+             f"| model | test | stock tok/s |{cols} greedy agreement with stock (first diff / gen) |",
+             "| --- | --- | --- |" + " --- | --- |" * (len(tags) - 1) + " --- |"]
     fmt = lambda s: f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})"
     for res in results:
         for p, e in res["prompts"].items():
+            agree = e.get("agree_first_tokens_by_variant", {"patched": e["agree_first_tokens"]})
             for kind, label in (("pp", f"pp{p}"), ("tg", f"tg{meta['gen']} @ {p}")):
-                s, f = e["stock"][kind], e["patched"][kind]
-                lines.append(f"| {res['model']} Q{res['bits']} | {label} | {fmt(s)} | {fmt(f)} | "
-                             f"{f['median'] / s['median']:.2f}x | {min(e['agree_first_tokens'])}/{meta['gen']} |")
+                s = e["stock"][kind]
+                cells = "".join(f" {fmt(e[t][kind])} | {e[t][kind]['median'] / s['median']:.2f}x |" for t in tags[1:])
+                ag = ", ".join(f"{min(agree[t])}/{meta['gen']}" for t in tags[1:])
+                lines.append(f"| {res['model']} Q{res['bits']} | {label} | {fmt(s)} |{cells} {ag} |")
     lines += ["", "Host/GPU split of one decode step (ms, unpipelined: Python graph build, then mx.eval):", "",
-              "| model | prompt | stock build | stock eval | patched build | patched eval |", "| --- | --- | --- | --- | --- | --- |"]
+              "| model | prompt |" + "".join(f" {t} build | {t} eval |" for t in tags),
+              "| --- | --- |" + " --- | --- |" * len(tags)]
     for res in results:
         for p, e in res["prompts"].items():
             h = e["host_split_ms"]
-            lines.append(f"| {res['model']} | {p} | {h['stock']['build']:.2f} | {h['stock']['eval']:.2f} | "
-                         f"{h['patched']['build']:.2f} | {h['patched']['eval']:.2f} |")
+            lines.append(f"| {res['model']} | {p} |" + "".join(f" {h[t]['build']:.2f} | {h[t]['eval']:.2f} |" for t in tags))
     return "\n".join(lines) + "\n"
 
 
@@ -161,6 +184,8 @@ def main():
     ap.add_argument("--prompts", default="512,2048")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results/cuda_bench")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="add a third variant: the experimental one-launch layer (MLX_FASTOPS_LAYER_KERNEL=1)")
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_bench: MLX's CUDA backend is not available here")
@@ -176,7 +201,8 @@ def main():
     log(json.dumps(meta))
     results = []
     for name in a.models.split(","):
-        results.append(bench_model(name, a.bits, a.reps, [int(p) for p in a.prompts.split(",")], a.gen, log))
+        results.append(bench_model(name, a.bits, a.reps, [int(p) for p in a.prompts.split(",")], a.gen, log,
+                                   a.one_launch))
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -36,7 +36,7 @@ case "$mode" in
       -p no:cacheprovider > "$OUT/test_layer.log" 2>&1; tail -5 "$OUT/test_layer.log"
     MLX_FASTOPS_LAYER_KERNEL=1 timeout 120 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace_layer.log" 2>&1
     grep "^wall\|^## " "$OUT/trace_layer.log"
-    MLX_FASTOPS_LAYER_KERNEL=1 timeout 150 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b \
+    timeout 200 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b --one-launch \
       --out "$OUT/bench_layer" > "$OUT/bench_layer.log" 2>&1; tail -14 "$OUT/bench_layer.log" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
