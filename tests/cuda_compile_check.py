@@ -123,6 +123,9 @@ def cases():
     shapes06 = ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072))
     for M in (1, 2):
         yield f"layer qwen3-0.6b M{M}", layer_case(M, {**q06, "L": 1}, 33, shapes06)
+    g8 = {**q06, "H": 64, "HKV": 8}     # GQA 8, D 128: the largest attention phase
+    yield "layer G8 D128 M8", layer_case(8, g8, 4, ((4, 64, 10240, 4096), (4, 64, 4096, 8192),
+                                                    (4, 64, 28672, 4096), (4, 64, 4096, 14336)))
     for M in (1, 2, 3, 8):
         for bits in (4, 8):
             yield f"gemv plain M{M} b{bits}", gemv_case(bf, M, 1024, 4096, bits, 64, 0, False, True, False)

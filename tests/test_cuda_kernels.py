@@ -277,8 +277,9 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
     assert (np.asarray(got).argmax(-1)[clear] == o.argmax(-1)[clear]).all()
 
 
-@pytest.mark.parametrize("name,batch", [("qwen3-tiny", 1), ("llama-tiny", 2), ("qwen2-tiny", 1)])
-def test_one_launch_layer_matches_five_launches(name, batch, monkeypatch):
+@pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1), ("qwen2-tiny", 1, 1),
+                                          ("qwen3-tiny", 2, 3)])
+def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
     """The experimental one-launch decoder layer (MLX_FASTOPS_LAYER_KERNEL=1) computes exactly what
     the 5-launch path computes: same outputs and same cache rows, bit for bit."""
     from mlx_fastops import synthetic_model
@@ -293,7 +294,7 @@ def test_one_launch_layer_matches_five_launches(name, batch, monkeypatch):
         P, D = 270, fb.D
         k0 = mx.random.normal((batch, fb.HKV, 512, D)).astype(mx.bfloat16)
         v0 = mx.random.normal((batch, fb.HKV, 512, D)).astype(mx.bfloat16)
-        x = mx.random.normal((batch, 1, a.hidden_size)).astype(mx.bfloat16)
+        x = mx.random.normal((batch, L, a.hidden_size)).astype(mx.bfloat16)   # L new tokens each
         off = C.offset_array(P)
         results = []
         for one in (False, True):
@@ -311,4 +312,4 @@ def test_one_launch_layer_matches_five_launches(name, batch, monkeypatch):
     assert np.isfinite(np.asarray(out1.astype(mx.float32))).all()
     for a5, a1 in ((out5, out1), (o5, o1), (kc5, kc1), (vc5, vc1)):
         assert mx.array_equal(a5, a1)
-    assert not mx.array_equal(kc1[:, :, P], k0[:, :, P])   # the new row was written
+    assert not mx.array_equal(kc1[:, :, P + L - 1], k0[:, :, P + L - 1])   # the new rows were written
