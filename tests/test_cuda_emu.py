@@ -92,3 +92,38 @@ def test_shared_memory_is_poisoned_between_blocks():
     y[blockIdx.x * 32 + threadIdx.x] = s[threadIdx.x];"""
     y = np.asarray(run(src, [mx.zeros((1,))], (64,), grid=(64, 1, 1), tg=(32, 1, 1)))
     assert (y[:32] == 1).all() and np.isnan(y[32:]).all()
+
+
+TWO_GROUPS = """
+int b = blockIdx.x, t = threadIdx.x;
+int* c = const_cast<int*>(ctr);
+if (b < 8) {                          // group A: a[b*32 + t] = b
+  for (int i = 0; i < 50; ++i) __syncthreads();   // some work
+  a[b * 32 + t] = (float)b;
+  __syncthreads();
+  if (t == 0) atomicAdd(c, 1);
+} else {                              // group B: sums all of a
+  if (WAIT) {
+    if (t == 0) while (atomicAdd(c, 0) < 8) __nanosleep(100);
+    __syncthreads();
+  }
+  float s = 0.f;
+  for (int i = 0; i < 256; ++i) s += a[i];
+  y[(b - 8) * 32 + t] = s;
+}
+"""
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_interleaved_blocks_expose_a_missing_wait(wait):
+    """Blocks of a later group that do not wait for an earlier group read its unwritten (poisoned)
+    output; with the wait they read the finished values."""
+    k = cuda_emu.cuda_kernel(name="t", input_names=["ctr"], output_names=["y", "a"],
+                             source=f"#define WAIT {int(wait)}\n" + TWO_GROUPS)
+    y, _ = k(inputs=[mx.zeros((4,), dtype=mx.int32)], output_shapes=[(256,), (256,)],
+             output_dtypes=[mx.float32, mx.float32], grid=(16 * 32, 1, 1), threadgroup=(32, 1, 1))
+    y = np.asarray(y)
+    if wait:
+        assert (y == sum(range(8)) * 32).all()
+    else:
+        assert np.isnan(y).any()

@@ -7,14 +7,15 @@
 
 Same interface as mx.fast.cuda_kernel (grid in threads). The body is compiled as C++17 by g++ against
 cuda_compat.h, with the signature MLX would give it (`const T* name`, `name_shape` / `name_strides`
-when the body uses them, then `T* out`), and every block runs its threads as fibers (see the header).
+when the body uses them, then `T* out`), and its threads run as fibers, WINDOW blocks at a time, interleaved (see the header).
 Inputs are passed in place (zero-copy views of the MLX arrays, strided ones too when
 ensure_row_contiguous=False), so writes through a const_cast reach the array, as on the GPU.
 Outputs start poisoned (NaN, or 0x7F7F7F7F for integers) unless init_value is given.
 
 What it checks: the arithmetic, indexing and synchronisation logic of a kernel (barriers, masked
-warp shuffles, atomics as a sequential program). What it cannot: timing, memory-model races
-between blocks (blocks run one after another), out-of-bounds reads (no guard pages), registers.
+warp shuffles, blocks waiting for other blocks: resident blocks interleave and drift apart). What
+it cannot: timing, memory-model effects (writes are visible at once), out-of-bounds reads (no guard
+pages), registers. See docs/cuda-emulator.md.
 Results are "CUDA-emulator-verified"; the kernels still need `pytest -m cuda` on a GPU.
 """
 
@@ -46,8 +47,25 @@ using namespace mlx::core::cu;
 """
 
 
-# `__shared__ TYPE NAME[..][..];` (the only form the kernels use)
+# `__shared__ TYPE NAME[..][..];` (the only form the kernels use) -> a reference into the block's arena
 _SHARED = re.compile(r"__shared__\s+([\w:]+)\s+(\w+)((?:\s*\[[^\]]*\])*)\s*;")
+
+
+def _shared_to_arena(code):
+    ids = iter(range(1 << 30))
+
+    def sub(m):
+        typ, name, dims = m[1], m[2], m[3].replace(" ", "")
+        i = next(ids)
+        if not dims:
+            return f"{typ}& {name} = *reinterpret_cast<{typ}*>(::cuemu::shared_slot({i}, sizeof({typ})));"
+        return (f"{typ} (&{name}){dims} = *reinterpret_cast<{typ}(*){dims}>("
+                f"::cuemu::shared_slot({i}, sizeof({typ}{dims})));")
+    return _SHARED.sub(sub, code)
+
+
+# Blocks resident at once (their threads interleave); CUDA_EMU_WINDOW overrides.
+WINDOW = int(os.environ.get("CUDA_EMU_WINDOW", "4"))
 
 
 class KernelError(RuntimeError):
@@ -95,10 +113,8 @@ class EmuCudaKernel:
             params.append(f"{_CTYPES[dt]}* {n}")
             unpack.append(f"({_CTYPES[dt]}*)a[{i}]")
             i += 1
-        body = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; ::cuemu::shared_region(&{m[2]}, sizeof({m[2]}));",
-                           self.source)
-        header = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; ::cuemu::shared_region(&{m[2]}, sizeof({m[2]}));",
-                             self.header)
+        code = _shared_to_arena(self.header + "\n@@BODY@@\n" + self.source)
+        header, body = code.split("\n@@BODY@@\n")
         return (PRE + header + f"\nstatic void body({', '.join(params)}) {{\n{body}\n}}\n"
                 f"extern \"C\" void entry(void** a) {{ body({', '.join(unpack)}); }}\n")
 
@@ -151,7 +167,8 @@ class EmuCudaKernel:
             raise KernelError(f"[cuda_emu:call] block of {t[0] * t[1] * t[2]} threads (max 1024)")
         err = ctypes.create_string_buffer(1024)
         entry = ctypes.cast(lib.entry, ctypes.c_void_p)
-        rc = lib.cuemu_launch(entry, args, g[0] // t[0], g[1] // t[1], g[2] // t[2], t[0], t[1], t[2], err, 1024)
+        rc = lib.cuemu_launch(entry, args, g[0] // t[0], g[1] // t[1], g[2] // t[2], t[0], t[1], t[2], WINDOW,
+                              err, 1024)
         if rc:
             raise KernelError(f"[cuda_emu:{self.name}] {err.value.decode()}")
         res = []

@@ -1,14 +1,19 @@
-// cuda_emu: just enough CUDA to run mlx_fastops' kernel bodies on the CPU, one block at a time.
+// cuda_emu: just enough CUDA to run mlx_fastops' kernel bodies on the CPU.
 //
-// Every thread of a block is a cooperative fiber (ucontext) on one OS thread. A thread runs until it
-// reaches __syncthreads, a warp collective (__shfl_xor_sync, __syncwarp) or its end; when no thread
-// can run, the scheduler completes the collectives whose lanes have all arrived, then the barrier
-// once every live thread waits at it, and reports a deadlock otherwise (e.g. a shuffle whose mask
-// names a lane that left the loop, or a barrier some threads never reach).
-// __shared__ variables become statics (blocks run one after another) that are filled with 0xFF bytes
-// (NaN, -1) before every block but the first, so a read before any write shows (the Python side
-// rewrites each declaration to register it). Atomics are plain (one OS thread); fences are no-ops.
+// Every thread is a cooperative fiber (ucontext) on one OS thread. Up to WINDOW blocks are resident
+// at once; blocks start in index order as earlier ones finish, as on a GPU. A thread runs until it
+// reaches __syncthreads, a warp collective (__shfl_xor_sync, __syncwarp), __nanosleep (a spin loop
+// waiting for another block: it lets the others run) or its end. When no thread can run, the
+// scheduler completes the collectives whose lanes have all arrived, the barriers of blocks whose
+// live threads all wait at them, retires finished blocks and starts new ones, and reports a
+// deadlock otherwise (a shuffle whose mask names a lane that left the loop, a barrier some threads
+// never reach). With WINDOW > 1 the threads of different blocks interleave, newest block first, so a
+// block that reads another block's results without waiting for them reads poison.
+// __shared__ arrays live in a per-block arena, filled with 0xFF bytes (NaN, -1) when the block
+// starts, so a read before any write shows (the Python side rewrites each declaration).
+// Atomics are plain (one OS thread); fences are no-ops.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <math.h>
 #include <cstdint>
@@ -30,29 +35,32 @@ struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 
-enum { READY = 0, AT_BARRIER = 1, AT_WARP = 2, DONE = 3 };
+enum { READY = 0, AT_BARRIER = 1, AT_WARP = 2, DONE = 3, FREE = 4 };
 
 struct Lane {
   ucontext_t ctx;
   dim3 tid;
-  int state = READY;
+  int slot = 0;
+  int state = FREE;
   unsigned mask = 0;     // warp collective: participating lanes
   int src = 0;           // lane whose value this lane receives
   uint64_t val = 0, res = 0;
 };
 
-struct Region {
-  void* p;
-  size_t n;
+struct Slot {              // one resident block
+  bool active = false;
+  long long seq = 0;       // admission order
+  dim3 block;
+  std::vector<std::vector<char>> shared;   // by declaration id
 };
 
 struct State {
-  std::vector<Region> shared;
-  std::vector<Lane> lanes;
+  std::vector<Lane> lanes;   // WINDOW * threads per block, never reallocated while fibers live
+  std::vector<Slot> slots;
   std::vector<char> stacks;
   ucontext_t sched;
-  int cur = -1;
-  dim3 block, grid, dim;
+  int cur = -1, nthreads = 0;
+  dim3 grid, dim;
   void (*entry)(void**) = nullptr;
   void** args = nullptr;
   std::string err;
@@ -69,10 +77,13 @@ inline void yield_as(int state) {
   swapcontext(&s.lanes[s.cur].ctx, &s.sched);
 }
 
-inline void shared_region(void* p, size_t n) {
-  for (auto& r : S().shared)
-    if (r.p == p) return;
-  S().shared.push_back(Region{p, n});
+// The calling block's __shared__ array number `id` (n bytes), poisoned when first touched.
+inline void* shared_slot(int id, size_t n) {
+  State& s = S();
+  Slot& b = s.slots[s.lanes[s.cur].slot];
+  if ((int)b.shared.size() <= id) b.shared.resize(id + 1);
+  if (b.shared[id].empty()) b.shared[id].assign(n, (char)0xFF);
+  return b.shared[id].data();
 }
 
 template <typename V>
@@ -93,10 +104,9 @@ V exchange(unsigned mask, V v, int src) {
 }  // namespace cuemu
 
 #define threadIdx (::cuemu::S().lanes[::cuemu::S().cur].tid)
-#define blockIdx (::cuemu::S().block)
+#define blockIdx (::cuemu::S().slots[::cuemu::S().lanes[::cuemu::S().cur].slot].block)
 #define blockDim (::cuemu::S().dim)
 #define gridDim (::cuemu::S().grid)
-
 inline void __syncthreads() { ::cuemu::yield_as(::cuemu::AT_BARRIER); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   int lane = (int)(threadIdx.x & 31);
@@ -112,7 +122,7 @@ inline V __shfl_sync(unsigned mask, V v, int src) {
   return ::cuemu::exchange<V>(mask, v, src & 31);
 }
 inline void __threadfence() {}
-inline void __nanosleep(unsigned) {}
+inline void __nanosleep(unsigned) { ::cuemu::yield_as(::cuemu::READY); }
 inline void __trap() {
   ::cuemu::S().err = "__trap()";
   ::cuemu::yield_as(::cuemu::DONE);
@@ -174,12 +184,11 @@ using __half = _Float16;
 namespace cuemu {
 
 // Complete the warp collectives whose lanes have all arrived; true if any completed.
-inline bool release_warps() {
+inline bool release_warps(int base, int n) {
   State& s = S();
   bool any = false;
-  const int n = (int)s.lanes.size();
-  for (int w0 = 0; w0 < n; w0 += 32) {
-    const int wn = n - w0 < 32 ? n - w0 : 32;
+  for (int w0 = base; w0 < base + n; w0 += 32) {
+    const int wn = base + n - w0 < 32 ? base + n - w0 : 32;
     for (int l = 0; l < wn; ++l) {
       Lane& a = s.lanes[w0 + l];
       if (a.state != AT_WARP) continue;
@@ -216,47 +225,105 @@ inline void lane_main() {
   swapcontext(&s.lanes[s.cur].ctx, &s.sched);
 }
 
-// Run one block; "" or an error message.
-inline std::string run_block(int nthreads) {
+inline void start_block(int slot, dim3 block, long long seq) {
   State& s = S();
   constexpr size_t kStack = 128 * 1024;
-  if (s.stacks.size() < kStack * nthreads) s.stacks.resize(kStack * nthreads);
-  for (auto& r : s.shared) std::memset(r.p, 0xFF, r.n);
-  s.lanes.assign(nthreads, Lane());
-  for (int t = 0; t < nthreads; ++t) {
-    Lane& l = s.lanes[t];
+  Slot& b = s.slots[slot];
+  b.active = true;
+  b.seq = seq;
+  b.block = block;
+  b.shared.clear();
+  for (int t = 0; t < s.nthreads; ++t) {
+    Lane& l = s.lanes[slot * s.nthreads + t];
+    l = Lane();
+    l.slot = slot;
+    l.state = READY;
     l.tid.x = t % s.dim.x;
     l.tid.y = (t / s.dim.x) % s.dim.y;
     l.tid.z = t / (s.dim.x * s.dim.y);
     getcontext(&l.ctx);
-    l.ctx.uc_stack.ss_sp = s.stacks.data() + kStack * t;
+    l.ctx.uc_stack.ss_sp = s.stacks.data() + kStack * (slot * s.nthreads + t);
     l.ctx.uc_stack.ss_size = kStack;
     l.ctx.uc_link = nullptr;
     makecontext(&l.ctx, lane_main, 0);
   }
+}
+
+// Run the grid with up to `window` resident blocks; "" or an error message.
+inline std::string run_grid(int window) {
+  State& s = S();
+  constexpr size_t kStack = 128 * 1024;
+  const long long nblocks = (long long)s.grid.x * s.grid.y * s.grid.z;
+  if (window > nblocks) window = (int)nblocks;
+  s.slots.assign(window, Slot());
+  s.lanes.assign((size_t)window * s.nthreads, Lane());
+  if (s.stacks.size() < kStack * s.lanes.size()) s.stacks.resize(kStack * s.lanes.size());
+  long long next = 0;
+  auto block_of = [&](long long i) {
+    return dim3{(unsigned)(i % s.grid.x), (unsigned)((i / s.grid.x) % s.grid.y), (unsigned)(i / ((long long)s.grid.x * s.grid.y))};
+  };
+  for (int k = 0; k < window; ++k, ++next) start_block(k, block_of(next), next);
+  std::vector<int> order(window);
+  unsigned long long rng = 0x9E3779B97F4A7C15ull;
   for (;;) {
+    // newest block first: a block that reads what older ones have not written yet (a missing
+    // wait) reads poison instead of being rescued by the order of the emulation
+    for (int k = 0; k < window; ++k) order[k] = k;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return s.slots[a].seq > s.slots[b].seq; });
     bool ran = false;
-    for (int t = 0; t < nthreads; ++t) {
-      if (s.lanes[t].state != READY) continue;
-      s.cur = t;
-      swapcontext(&s.sched, &s.lanes[t].ctx);
-      ran = true;
+    for (int rank = 0; rank < window; ++rank) {
+      const int k = order[rank];
+      if (!s.slots[k].active) continue;
+      // older blocks run less often (1 pass in 1 + 2 * rank, pseudo-random, seeded): blocks drift
+      // apart as on a GPU, so a later group can overtake an earlier one it forgot to wait for
+      rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+      if (rank > 0 && (rng >> 33) % (1 + 2 * rank) != 0) continue;
+      for (int t = k * s.nthreads; t < (k + 1) * s.nthreads; ++t) {
+        if (s.lanes[t].state != READY) continue;
+        s.cur = t;
+        swapcontext(&s.sched, &s.lanes[t].ctx);
+        ran = true;
+        if (!s.err.empty()) return s.err;
+      }
     }
-    if (!s.err.empty()) return s.err;
-    if (ran) continue;
-    if (release_warps()) continue;
-    if (!s.err.empty()) return s.err;
-    int done = 0, barrier = 0, warp = 0;
+    // collectives, barriers and retirements every pass: a spinning thread (__nanosleep) is always
+    // ready, and the blocks it waits for may be parked at a barrier
+    bool progress = false, any_active = false;
+    for (int k = 0; k < window; ++k) {
+      if (!s.slots[k].active) continue;
+      any_active = true;
+      const int base = k * s.nthreads;
+      if (release_warps(base, s.nthreads)) progress = true;
+      if (!s.err.empty()) return s.err;
+      int done = 0, barrier = 0, warp = 0;
+      for (int t = base; t < base + s.nthreads; ++t) {
+        done += s.lanes[t].state == DONE;
+        barrier += s.lanes[t].state == AT_BARRIER;
+        warp += s.lanes[t].state == AT_WARP;
+      }
+      if (done == s.nthreads) {   // retire; start the next block in index order
+        s.slots[k].active = false;
+        if (next < nblocks) {
+          start_block(k, block_of(next), next);
+          ++next;
+        }
+        progress = true;
+      } else if (warp == 0 && barrier > 0 && barrier + done == s.nthreads) {
+        for (int t = base; t < base + s.nthreads; ++t)
+          if (s.lanes[t].state == AT_BARRIER) s.lanes[t].state = READY;
+        progress = true;
+      }
+    }
+    if (!any_active) return "";
+    if (progress || ran) continue;
+    bool ready = false;   // the ready threads were all skipped this pass
+    for (auto& l : s.lanes) ready |= l.state == READY;
+    if (ready) continue;
+    int barrier = 0, warp = 0, done = 0;
     for (auto& l : s.lanes) {
-      done += l.state == DONE;
       barrier += l.state == AT_BARRIER;
       warp += l.state == AT_WARP;
-    }
-    if (done == nthreads) return "";
-    if (warp == 0 && barrier > 0) {   // every live thread is at the barrier (exited ones count as arrived)
-      for (auto& l : s.lanes)
-        if (l.state == AT_BARRIER) l.state = READY;
-      continue;
+      done += l.state == DONE;
     }
     return "deadlock: " + std::to_string(barrier) + " threads at __syncthreads, " + std::to_string(warp) +
            " at warp collectives whose lanes never all arrive, " + std::to_string(done) + " finished";
@@ -266,7 +333,7 @@ inline std::string run_block(int nthreads) {
 }  // namespace cuemu
 
 extern "C" int cuemu_launch(void (*entry)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
-                            unsigned bx, unsigned by, unsigned bz, char* err, int errlen) {
+                            unsigned bx, unsigned by, unsigned bz, int window, char* err, int errlen) {
   using namespace cuemu;
   State& s = S();
   s.entry = entry;
@@ -274,15 +341,11 @@ extern "C" int cuemu_launch(void (*entry)(void**), void** args, unsigned gx, uns
   s.err.clear();
   s.grid = dim3{gx, gy, gz};
   s.dim = dim3{bx, by, bz};
-  for (unsigned z = 0; z < gz; ++z)
-    for (unsigned y = 0; y < gy; ++y)
-      for (unsigned x = 0; x < gx; ++x) {
-        s.block = dim3{x, y, z};
-        std::string e = run_block((int)(bx * by * bz));
-        if (!e.empty()) {
-          snprintf(err, errlen, "block (%u, %u, %u): %s", x, y, z, e.c_str());
-          return 1;
-        }
-      }
+  s.nthreads = (int)(bx * by * bz);
+  std::string e = run_grid(window < 1 ? 1 : window);
+  if (!e.empty()) {
+    snprintf(err, errlen, "%s", e.c_str());
+    return 1;
+  }
   return 0;
 }
