@@ -32,3 +32,16 @@ def test_writers_ordered_after_last_reader():
     c.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))
     assert c.last_reader is None
     assert mx.array_equal(c.keys[:, :, 4], mx.ones((1, 2, 8)))
+
+
+def test_saved_prompt_cache_loads_again(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    c = StaticKVCache()
+    k = mx.random.normal((1, 2, 5, 8))
+    c.update_and_fetch(k, k + 1)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [c])
+    (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert type(loaded) is StaticKVCache and loaded.offset == 5
+    keys, values = loaded.update_and_fetch(k[:, :, :1], k[:, :, :1])   # keeps working after loading
+    assert keys.shape[2] == 6 and mx.array_equal(keys[:, :, :5], k)

@@ -25,6 +25,7 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import KVCache
 
 from .. import config
@@ -645,6 +646,10 @@ class FastBlock:
 
 
 FastBlock.cache_type = StaticKVCache
+
+# mlx-lm's load_prompt_cache finds cache classes by name in its own module: let it find ours, so a
+# prompt cache saved from a patched model (mlx_lm.cache_prompt, save_prompt_cache) loads again.
+_mlx_lm_cache.StaticKVCache = StaticKVCache
 
 
 # The fast path fuses all of these; switching any of them off (A/B runs) switches it off.
