@@ -80,4 +80,9 @@ def backend_name():
         if mx.cuda.is_available():
             return "cuda"
         return "reference"
+    if name in ("metal", "cuda") and not getattr(mx, name).is_available():
+        from . import kernels
+        if not kernels.factory_replaced(name):
+            raise ValueError(f"MLX_FASTOPS_BACKEND={name}, but MLX sees no {name} device here "
+                             f"(mx.{name}.is_available() is False); use auto or reference")
     return name

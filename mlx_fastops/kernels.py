@@ -74,7 +74,13 @@ def clear_builders():
         b.cache_clear()
 
 
-_factories = {"metal": mx.fast.metal_kernel, "cuda": getattr(mx.fast, "cuda_kernel", None)}
+_DEFAULT_FACTORIES = {"metal": mx.fast.metal_kernel, "cuda": getattr(mx.fast, "cuda_kernel", None)}
+_factories = dict(_DEFAULT_FACTORIES)
+
+
+def factory_replaced(kind):
+    """True inside use_metal_factory / use_cuda_factory (e.g. a CPU emulator stands in for the GPU)."""
+    return _factories[kind] is not _DEFAULT_FACTORIES[kind]
 
 
 def metal_kernel(**kwargs):

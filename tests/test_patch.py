@@ -157,6 +157,15 @@ def test_bad_env_names(monkeypatch):
     assert not mlx_fastops.is_patched(model)
 
 
+@pytest.mark.skipif(mx.cuda.is_available(), reason="needs a machine without CUDA")
+def test_forced_gpu_backend_without_the_device_is_refused(monkeypatch):
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = mlx_fastops.synthetic_model("qwen3-tiny", bits=4)
+    with pytest.raises(ValueError, match="no cuda device"):
+        mlx_fastops.patch(model)
+    assert not mlx_fastops.is_patched(model)
+
+
 def test_reference_backend_switch(monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "reference")
     model = model_of("qwen3-tiny", 4)
