@@ -247,9 +247,10 @@ def test_attention_multi_token_causal(L):
 def test_fast_decode_path_tiny_model(name, monkeypatch):
     """The whole fused decode block (5 launches, the StaticKVCache written in place, tickets, the
     previous reader as an input) on tiny bf16 models, without mx.compile (the emulator runs
-    outside MLX's graph), after a prompt that crosses 256. Teacher-forced along stock's greedy
-    tokens, against the float32 evaluation of the same quantised model: the fused path must pick
-    the oracle's token wherever the oracle's margin is clear, and be no further from it than stock."""
+    outside MLX's graph), after a prompt that crosses 256. Teacher-forced along tokens stock picks
+    (its argmax after each forced token), against the float32 evaluation of the same quantised
+    model: the fused path must pick the oracle's token wherever the oracle's margin is clear, and be
+    no further from it than stock."""
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 

@@ -106,22 +106,29 @@ def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head
     return d
 
 
+def gemv_outputs(epi):
+    return ["yq", "ys"] if epi == 3 else ["y"]
+
+
+def gemv_blocks(N, epi, R, nw):
+    """Blocks of one GEMV launch: NW warps of R output rows each (gate/up: N/2 output rows)."""
+    nout = N // 2 if epi == 2 else N
+    return -(-nout // (R * nw))
+
+
 @cached_builder
 def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw):
     head = dict(head_items) if head_items else None
     src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head), dtype)
-    out = ["yq", "ys"] if epi == 3 else ["y"]
     return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
-                       output_names=out, source=src, ensure_row_contiguous=(epi != 3))
+                       output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3))
 
 
 def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items):
     """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
     kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW)
-    nout = N // 2 if epi == 2 else N
-    blocks = -(-nout // (R * NW))
-    return kern, (blocks * NW * 32, 1, 1), (NW * 32, 1, 1)
+    return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
 def gemv(x2d, w, epi=0, norm=None, res=None):
@@ -342,6 +349,8 @@ __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
 }
 """
 
+LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
+
 _PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "cnt": "const int32_t*", "rf": "const float*",
            "ys": "float*", "pm": "float*", "po": "float*"}
 
@@ -376,10 +385,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         ins = gemv_inputs(eps is not None, has_bias, res, hd)
-        outs = ["yq", "ys"] if epi == 3 else ["y"]
-        header.append(_phase(name, "gemv.cu", d, dtype, ins, outs, shaped=("w",), strided=("kc", "vc")))
-        nout = N // 2 if epi == 2 else N
-        groups.append(-(-nout // (R * nw)))
+        header.append(_phase(name, "gemv.cu", d, dtype, ins, gemv_outputs(epi), shaped=("w",),
+                             strided=("kc", "vc")))
+        groups.append(gemv_blocks(N, epi, R, nw))
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale)
@@ -391,47 +399,34 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
     gemv_phase("layer_gate_up", gb, gg, gN, gK, 2, eps_post, False, False, None)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
-    n = groups
     qkv_in = ["x", "qkv_w", "qkv_w_shape", "qkv_sc", "qkv_bi", "in_nw"] + (["qkv_bias"] if bias else [])
     qkv_in += (["qn", "kn"] if head["qknorm"] else []) + ["off"] + (["rf"] if head["freqs"] else [])
     qkv_in += ["kc", "kc_strides", "vc", "vc_strides", "head_cnt", "after"]
-    body = f"""
-  int blk = blockIdx.x;
-  if (blk < {n[0]}) {{
-    layer_qkv(blk, {", ".join(qkv_in)}, yq, ys);
-    layer_done(ctr, 0);
+    calls = [f"layer_qkv(blk, {', '.join(qkv_in)}, yq, ys)",
+             "layer_attn(blk, yq, kc, kc_strides, vc, vc_strides, off, attn_cnt, o, pm, po)",
+             "layer_o(blk, o, o_w, o_w_shape, o_sc, o_bi, x, h)",
+             "layer_gate_up(blk, h, gu_w, gu_w_shape, gu_sc, gu_bi, post_nw, a)",
+             "layer_down(blk, a, dn_w, dn_w_shape, dn_sc, dn_bi, h, out)"]
+    assert len(groups) == len(calls) == LAYER_GROUPS
+    body = "  int blk = blockIdx.x;\n"
+    for g, (n, call) in enumerate(zip(groups[:-1], calls[:-1])):
+        wait = f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n    " if g else ""
+        body += f"""  if (blk < {n}) {{
+    {wait}{call};
+    layer_done(ctr, {g});
     return;
   }}
-  blk -= {n[0]};
-  if (blk < {n[1]}) {{
-    layer_wait(ctr, 0, {n[0]});
-    layer_attn(blk, yq, kc, kc_strides, vc, vc_strides, off, attn_cnt, o, pm, po);
-    layer_done(ctr, 1);
-    return;
-  }}
-  blk -= {n[1]};
-  if (blk < {n[2]}) {{
-    layer_wait(ctr, 1, {n[1]});
-    layer_o(blk, o, o_w, o_w_shape, o_sc, o_bi, x, h);
-    layer_done(ctr, 2);
-    return;
-  }}
-  blk -= {n[2]};
-  if (blk < {n[3]}) {{
-    layer_wait(ctr, 2, {n[2]});
-    layer_gate_up(blk, h, gu_w, gu_w_shape, gu_sc, gu_bi, post_nw, a);
-    layer_done(ctr, 3);
-    return;
-  }}
-  blk -= {n[3]};
-  layer_wait(ctr, 3, {n[3]});
-  layer_down(blk, a, dn_w, dn_w_shape, dn_sc, dn_bi, h, out);
+  blk -= {n};
+"""
+    last = LAYER_GROUPS - 1
+    body += f"""  layer_wait(ctr, {last - 1}, {groups[last - 1]});
+  {calls[last]};
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
     int* c = const_cast<int*>(ctr);
-    if (atomicAdd(c + 4, 1) == {n[4]} - 1) {{
-      for (int i = 0; i < 5; ++i) c[i] = 0;
+    if (atomicAdd(c + {last}, 1) == {groups[last]} - 1) {{
+      for (int i = 0; i < {LAYER_GROUPS}; ++i) c[i] = 0;
     }}
   }}
 """
@@ -442,7 +437,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs,
                        output_names=["out", "yq", "ys", "o", "pm", "po", "h", "a"],
                        header=header, source=body, ensure_row_contiguous=False)
-    return kern, sum(n)
+    return kern, sum(groups)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,7 +539,7 @@ class FastBlock:
         # this block's own tickets (head kernel: one per q/k/v head; attention: per row and kv head)
         self.head_tickets = tickets(self.H + 2 * self.HKV)
         self.attn_tickets = tickets(MAX_ROWS * self.HKV)
-        self.layer_counters = tickets(5)   # the one-launch layer's group counters
+        self.layer_counters = tickets(LAYER_GROUPS)   # the one-launch layer's group counters
         self.one_launch = os.environ.get("MLX_FASTOPS_LAYER_KERNEL", "0") == "1"
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
@@ -585,6 +580,13 @@ class FastBlock:
         M = B * L
         return M <= MAX_ROWS and x.dtype == self.dtype
 
+    def _head_inputs(self, x, off, kc, vc, after):
+        """Inputs of the head kernel (gemv_inputs order for EPI 3); the layer launch starts the same."""
+        qkv = self.qkv
+        bias = [qkv.bias] if qkv.bias is not None else []
+        return [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0], *bias, *self.qk, off, *self.rf,
+                kc, vc, self.head_tickets, after]
+
     def core(self, x, off, kc, vc, after):
         """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]) -> (block
         output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
@@ -596,11 +598,7 @@ class FastBlock:
         qkv = self.qkv
         kern, grid, tg = _gemv_kernel(x.dtype, M, K, qkv.out_features, qkv.bits, qkv.group_size, 3,
                                       self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),))
-        inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0]]
-        if qkv.bias is not None:
-            inputs.append(qkv.bias)
-        inputs += [*self.qk, off, *self.rf, kc, vc, self.head_tickets, after]
-        q = kern(inputs=inputs, output_shapes=[(B, L, self.H, self.D), (M, qkv.out_features)],
+        q = kern(inputs=self._head_inputs(x, off, kc, vc, after), output_shapes=[(B, L, self.H, self.D), (M, qkv.out_features)],
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
         o = attention(q, kc, vc, off, self.scale, self.attn_tickets)
         x2 = x.reshape(M, K)
@@ -618,11 +616,9 @@ class FastBlock:
         shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, o_w, gu, dn))
         kern, nblocks = _layer_build(x.dtype, M, shapes, self.in_norm[1], self.post_norm[1],
                                      qkv.bias is not None, self.head + (("L", L),), nsplit, self.scale)
-        inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0]]
-        inputs += ([qkv.bias] if qkv.bias is not None else []) + self.qk + [off] + self.rf
-        inputs += [kc, vc, self.head_tickets, after, self.attn_tickets, o_w.weight, o_w.scales, o_w.biases,
-                   gu.weight, gu.scales, gu.biases, self.post_norm[0], dn.weight, dn.scales, dn.biases,
-                   self.layer_counters]
+        inputs = self._head_inputs(x, off, kc, vc, after)
+        inputs += [self.attn_tickets, o_w.weight, o_w.scales, o_w.biases, gu.weight, gu.scales, gu.biases,
+                   self.post_norm[0], dn.weight, dn.scales, dn.biases, self.layer_counters]
         G = self.H // self.HKV
         f32 = mx.float32
         out, _, _, o, _, _, _, _ = kern(
