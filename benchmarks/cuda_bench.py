@@ -4,8 +4,8 @@
         [--bits 4] [--reps 3] [--prompts 512,2048] [--gen 128] [--out benchmarks/results/cuda_bench]
 
 Copies of each synthetic model (same seed, so the same weights) are built: one stays stock, one
-is patched (MLX_FASTOPS_BACKEND=cuda), and with --one-launch a third is patched with the
-experimental one-launch layer. Each repetition runs every variant (the order rotates between
+is patched (MLX_FASTOPS_BACKEND=cuda; one launch per decoder layer), and with --five-launch a third
+is patched with layer_kernel off (the same kernels, 5 launches per layer). Each repetition runs every variant (the order rotates between
 repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
 (greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
 definition), decode tok/s = (gen - 1) / time from the first to the last token. Reports median and
@@ -88,26 +88,22 @@ def stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
-def build_variants(name, bits, one_launch):
-    """[(tag, model)]: stock, patched (5 launches per layer), and with --one-launch the experimental
-    one-launch layer (MLX_FASTOPS_LAYER_KERNEL=1 while patching). Same seed: same weights."""
+def build_variants(name, bits, five_launch):
+    """[(tag, model)]: stock, patched (one launch per layer), and with --five-launch the same fused
+    path in 5 launches per layer (layer_kernel disabled). Same seed: same weights."""
     variants = [("stock", synthetic_model(name, bits=bits)), ("patched", synthetic_model(name, bits=bits))]
     reports = {"patched": mlx_fastops.patch(variants[1][1])}
-    if one_launch:
+    if five_launch:
         m = synthetic_model(name, bits=bits)
-        os.environ["MLX_FASTOPS_LAYER_KERNEL"] = "1"
-        try:
-            reports["one-launch"] = mlx_fastops.patch(m)
-        finally:
-            del os.environ["MLX_FASTOPS_LAYER_KERNEL"]
-        variants.append(("one-launch", m))
+        reports["five-launch"] = mlx_fastops.patch(m, disable=["layer_kernel"])
+        variants.append(("five-launch", m))
     return variants, reports
 
 
-def bench_model(name, bits, reps, prompts, gen, log, one_launch=False):
+def bench_model(name, bits, reps, prompts, gen, log, five_launch=False):
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     t0 = time.perf_counter()
-    variants, reports = build_variants(name, bits, one_launch)
+    variants, reports = build_variants(name, bits, five_launch)
     log(f"{name}: models built and patched in {time.perf_counter() - t0:.1f}s")
     log(str(reports["patched"]))
     tags = [t for t, _ in variants]
@@ -184,8 +180,8 @@ def main():
     ap.add_argument("--prompts", default="512,2048")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results/cuda_bench")
-    ap.add_argument("--one-launch", action="store_true",
-                    help="add a third variant: the experimental one-launch layer (MLX_FASTOPS_LAYER_KERNEL=1)")
+    ap.add_argument("--five-launch", action="store_true",
+                    help="add a third variant: the fused path in 5 launches per layer (layer_kernel off)")
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_bench: MLX's CUDA backend is not available here")
@@ -202,7 +198,7 @@ def main():
     results = []
     for name in a.models.split(","):
         results.append(bench_model(name, a.bits, a.reps, [int(p) for p in a.prompts.split(",")], a.gen, log,
-                                   a.one_launch))
+                                   a.five_launch))
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

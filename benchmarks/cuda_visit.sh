@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device visit (after `source .device-wheels/b/install.sh`); logs go to $OUT. Usage:
 #   bash benchmarks/cuda_visit.sh tests    # pytest -m cuda, kernels then models (~8 min: NVRTC ~3 s per variant)
+#   bash benchmarks/cuda_visit.sh models   # pytest -m cuda tests/test_cuda_models.py only (~5 min)
 #   bash benchmarks/cuda_visit.sh trace    # kernel timeline of Qwen3-0.6B decode, stock vs patched (~1 min)
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
 #   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models (~2-5 min)
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
-#   bash benchmarks/cuda_visit.sh layer    # the experimental one-launch layer: tests, trace, 0.6B bench (~4 min)
+#   bash benchmarks/cuda_visit.sh layer    # one-launch vs 5-launch layer: tests, trace, 0.6B bench (~4 min)
 set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
@@ -15,7 +16,10 @@ case "$mode" in
   tests)
     timeout 280 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
     timeout 280 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
-    tail -5 "$OUT/test_kernels.log" "$OUT/test_models.log" ;;
+    tail -n 5 "$OUT/test_kernels.log" "$OUT/test_models.log" ;;
+  models)
+    timeout 330 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
+    grep -E "row|passed|failed|FAILED" "$OUT/test_models.log" | tail -n 60 ;;
   trace)
     timeout 150 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1
     grep -v Warning "$OUT/trace.log" | tail -40 ;;
@@ -34,9 +38,9 @@ case "$mode" in
   layer)
     timeout 150 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k "one_launch or tiny_model" \
       -p no:cacheprovider > "$OUT/test_layer.log" 2>&1; tail -5 "$OUT/test_layer.log"
-    MLX_FASTOPS_LAYER_KERNEL=1 timeout 120 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace_layer.log" 2>&1
+    timeout 120 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace_layer.log" 2>&1
     grep "^wall\|^## " "$OUT/trace_layer.log"
-    timeout 200 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b --one-launch \
+    timeout 200 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b --five-launch \
       --out "$OUT/bench_layer" > "$OUT/bench_layer.log" 2>&1; tail -14 "$OUT/bench_layer.log" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -2,8 +2,6 @@
 
 MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FUSIONS)
 MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
-MLX_FASTOPS_LAYER_KERNEL=1   CUDA, experimental: each decoder layer of the fast decode path in one
-                      launch instead of 5 (emulator-verified; not yet run on a GPU)
 """
 
 import contextlib
@@ -23,6 +21,8 @@ FUSIONS = {
     "attention": "decode attention and prefill attention ops",
     "fast_decode": "CUDA: whole decoder block in 5 launches (norm+QKV+qk-norm+RoPE+cache write, "
                    "attention, o_proj+residual, norm+gate/up+SiLU, down+residual) with a static KV cache",
+    "layer_kernel": "CUDA: each fast_decode block as one launch (its 5 kernels as 5 block groups, "
+                    "each waiting for the previous); off: 5 launches",
     "compile": "CUDA: mx.compile of the whole decode step (fast_decode blocks)",
     "qkv_kernel": "GPU kernel of the fused Q/K/V op (off: stacked weights + one stock quantized_matmul)",
     "gate_up_kernel": "GPU kernel of the fused gate/up+SiLU op (off: one stock quantized_matmul + swiglu)",

@@ -22,12 +22,20 @@ def fp32_oracle(model):
 
 
 def forced_logits(model, prompt, tokens):
-    """float32 logits [len(tokens), vocab]: after the prompt, then after each of tokens[:-1]."""
+    """float32 logits after the prompt, then after each of tokens[..., :-1] (teacher forcing).
+
+    prompt [L] with tokens [n] gives [n, vocab]; a batch, prompt [B, L] with tokens [B, n], gives
+    [B, n, vocab]."""
+    prompt, tokens = mx.array(prompt), mx.array(tokens).astype(mx.int32)
+    single = prompt.ndim == 1
+    if single:
+        prompt, tokens = prompt[None], tokens[None]
     cache = make_prompt_cache(model)
-    out = [model(prompt[None], cache=cache)[0, -1]]
-    for tok in tokens[:-1]:
-        out.append(model(mx.array([[tok]]), cache=cache)[0, -1])
-    return mx.stack(out).astype(mx.float32)
+    out = [model(prompt, cache=cache)[:, -1]]
+    for i in range(tokens.shape[1] - 1):
+        out.append(model(tokens[:, i:i + 1], cache=cache)[:, -1])
+    out = mx.stack(out, 1).astype(mx.float32)
+    return out[0] if single else out
 
 
 def against(logits, oracle):

@@ -185,7 +185,7 @@ class _Patcher:
         return fb
 
     def fast_block(self, where, fb):
-        """A backend's whole-block decode path (CUDA: 5 launches per block), if it has one."""
+        """A backend's whole-block decode path (CUDA: one launch per block), if it has one."""
         hook = None if self.backend == "reference" else getattr(ops.backend_module(self.backend), "fast_block", None)
         if hook is None:
             return
@@ -198,6 +198,10 @@ class _Patcher:
         else:
             object.__setattr__(fb, "fast_fn", fn)
             self.report.add(where, "fast_decode", "fused", self.backend)
+            if fn.one_launch:
+                self.report.add(where, "layer_kernel", "fused", self.backend)
+            else:
+                self.skip(where, "layer_kernel", "disabled")
 
     def head(self, model):
         """Returns (object, original class) for the class swap, or None."""

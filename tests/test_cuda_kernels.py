@@ -281,8 +281,8 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1), ("qwen2-tiny", 1, 1),
                                           ("qwen3-tiny", 2, 3)])
 def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
-    """The experimental one-launch decoder layer (MLX_FASTOPS_LAYER_KERNEL=1) computes exactly what
-    the 5-launch path computes: same outputs and same cache rows, bit for bit."""
+    """The one-launch decoder layer (the default) computes exactly what the 5-launch path
+    (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache rows, bit for bit."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -307,7 +307,6 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
             results.append((out, o, kc, vc))
         assert not np.asarray(fb.layer_counters).any(), "counters not reset"
     finally:
-        fb.one_launch = False
         mlx_fastops.unpatch(model)
     (out5, o5, kc5, vc5), (out1, o1, kc1, vc1) = results
     assert np.isfinite(np.asarray(out1.astype(mx.float32))).all()

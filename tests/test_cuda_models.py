@@ -1,13 +1,13 @@
-"""Greedy decoding of patched (CUDA backend) vs stock mlx-lm on synthetic models. Skipped without CUDA.
+"""Decoding with the CUDA backend (patched) vs stock mlx-lm on synthetic models. Skipped without CUDA.
 
-Stock and patched runs use the same model object (patch, then unpatch). Free-running greedy tokens
-are compared up to the first step where stock's top-1/top-2 logit margin is below MARGIN (bf16
-near-ties: the fused GEMV accumulates in fp32, stock's 4-bit GEMV in bf16, so a near-tie may flip
-legitimately). Then the patched model is teacher-forced with stock's tokens and its argmax must
-equal stock's at every step whose margin is at least MARGIN (at least MIN_COMPARED of GEN steps).
+Stock and patched runs use the same model object (patch, then unpatch). Exact token equality with
+stock is not the criterion for bf16 models: stock's CUDA 4-bit GEMV adds up in bf16, ours in fp32,
+and on the tiny models stock's own logits are ~0.1-0.5 (mean) and up to ~3 (max) away from a float32
+evaluation of the same quantised model, so near-ties flip either way. The judge is that float32
+oracle (mlx_fastops.fidelity): stock, patched and the oracle are fed stock's greedy tokens (teacher
+forcing), and patched must be no further from the oracle than stock, and pick the oracle's token at
+every step where stock picks it with a clear margin.
 """
-
-import os
 
 import mlx.core as mx
 import numpy as np
@@ -19,22 +19,22 @@ pytestmark = [pytest.mark.cuda,
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_fastops
-from mlx_fastops import synthetic_model
+from mlx_fastops import fidelity, synthetic_model
 
 GEN = 40
-MARGIN = 0.25
-MIN_COMPARED = 24
+CLEAR = 0.5          # oracle top-1/top-2 margin (logits) that counts as a clear decision
+MIN_COMPARED = 20    # clear steps per row, at least
 # Real-size models' bf16 logits reach 20-30, where one bf16 step is 0.125-0.25: argmax is compared
 # only where stock's top-1/top-2 margin is at least this (the logits themselves within 5%).
 REAL_MARGIN = 1.0
 
 
-def greedy(model, prompt, n, forced=None):
-    """Greedy decoding; with `forced` ([B, n] tokens) the model is fed those instead of its own."""
+def greedy(model, prompt, n):
+    """Greedy tokens [B, n] of a [B, L] prompt and stock's top-1/top-2 margins [B, n]."""
     cache = make_prompt_cache(model)
     logits = model(prompt, cache=cache)[:, -1, :]
     toks, margins = [], []
-    for i in range(n):
+    for _ in range(n):
         lf = logits.astype(mx.float32)
         top2 = mx.topk(lf, 2, axis=-1)
         tok = mx.argmax(lf, axis=-1)
@@ -42,10 +42,12 @@ def greedy(model, prompt, n, forced=None):
         t2 = np.sort(np.asarray(top2), axis=-1)
         margins.append(t2[:, 1] - t2[:, 0])
         toks.append(np.asarray(tok))
-        if forced is not None:
-            tok = mx.array(forced[:, i])
         logits = model(tok[:, None].astype(mx.int32), cache=cache)[:, -1, :]
     return np.stack(toks, 1), np.stack(margins, 1), cache
+
+
+def _forced(model, prompt, tokens):
+    return np.asarray(fidelity.forced_logits(model, prompt, tokens))
 
 
 MODELS = [("qwen3-tiny", 4), ("qwen3-tiny", 8), ("qwen3-tiny", None), ("llama-tiny", 4),
@@ -54,11 +56,13 @@ MODELS = [("qwen3-tiny", 4), ("qwen3-tiny", 8), ("qwen3-tiny", None), ("llama-ti
 
 @pytest.mark.parametrize("name,bits", MODELS)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_greedy_matches_stock(name, bits, batch, monkeypatch):
+def test_decode_vs_stock_and_fp32(name, bits, batch, monkeypatch):
+    """A 300-token prompt (crossing the 256-token cache step), then GEN steps, batch 1 and 2."""
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     model = synthetic_model(name, bits=bits, dtype=mx.bfloat16, seed=batch)
     prompt = mx.random.randint(0, model.args.vocab_size, (batch, 300), key=mx.random.key(7))
-    ref, margins, _ = greedy(model, prompt, GEN)
+    ref, _, _ = greedy(model, prompt, GEN)
+    stock = _forced(model, prompt, ref)
     report = mlx_fastops.patch(model)
     try:
         if bits:
@@ -66,39 +70,51 @@ def test_greedy_matches_stock(name, bits, batch, monkeypatch):
         got, _, cache = greedy(model, prompt, GEN)
         if bits:
             assert type(cache[0]).__name__ == "StaticKVCache"
-        forced, _, _ = greedy(model, prompt, GEN, forced=ref)
+        fused = _forced(model, prompt, ref)
     finally:
         mlx_fastops.unpatch(model)
+    oracle = _forced(fidelity.fp32_oracle(synthetic_model(name, bits=bits, dtype=mx.bfloat16, seed=batch)),
+                     prompt, ref)
+    assert np.isfinite(fused).all(), "non-finite logits"
+    err_s, err_p = np.abs(stock - oracle), np.abs(fused - oracle)
+    top2 = np.sort(oracle, axis=-1)[..., -2:]
+    best = oracle.argmax(-1)
+    stock_clear = (top2[..., 1] - top2[..., 0] >= CLEAR) & (stock.argmax(-1) == best)
     for b in range(batch):
-        low = np.nonzero(margins[b] < MARGIN)[0]
-        upto = int(low[0]) if len(low) else GEN
-        clear = margins[b] >= MARGIN
-        print(f"{name} bits={bits} batch={batch} row {b}: free-running equal up to the first near-tie "
-              f"at {upto}/{GEN}; teacher-forced compared {int(clear.sum())}/{GEN}")
-        assert (got[b, :upto] == ref[b, :upto]).all(), (b, got[b], ref[b])
-        assert (forced[b][clear] == ref[b][clear]).all(), (b, forced[b], ref[b])
-        assert clear.sum() >= MIN_COMPARED, "too many near-ties to compare"
+        diverge = np.nonzero(got[b] != ref[b])[0]
+        print(f"{name} bits={bits} batch={batch} row {b}: |logit - fp32| mean/max stock "
+              f"{err_s[b].mean():.3f}/{err_s[b].max():.2f}, patched {err_p[b].mean():.3f}/{err_p[b].max():.2f}; "
+              f"top-1 = fp32: stock {(stock[b].argmax(-1) == best[b]).mean():.2f}, patched "
+              f"{(fused[b].argmax(-1) == best[b]).mean():.2f}; free-running tokens = stock up to "
+              f"{diverge[0] if len(diverge) else GEN}/{GEN}")
+        assert stock_clear[b].sum() >= MIN_COMPARED, "too few clear steps to compare"
+        assert (fused[b].argmax(-1)[stock_clear[b]] == best[b][stock_clear[b]]).all(), (b, np.nonzero(
+            fused[b].argmax(-1) != best[b])[0])
+    assert err_p.mean() <= 1.1 * err_s.mean(), (err_p.mean(), err_s.mean())
 
 
 @pytest.mark.parametrize("compile_off", [False, True])
 def test_fast_path_without_compile_matches(compile_off, monkeypatch):
-    """The per-block path (compile disabled) and the compiled step give the same tokens."""
+    """The per-block path (compile disabled) and the compiled step give the same logits, up to
+    the rounding of the stock element-wise ops that mx.compile fuses, and the same tokens."""
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    if compile_off:
-        monkeypatch.setenv("MLX_FASTOPS_DISABLE", "compile")
     model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=3)
     prompt = mx.random.randint(0, 1000, (1, 20), key=mx.random.key(1))
-    ref, margins, _ = greedy(model, prompt, 32)
-    report = mlx_fastops.patch(model)
-    try:
-        compiled = any(e.fusion == "compile" and e.status == "fused" for e in report.entries)
-        assert compiled != compile_off
-        got, _, _ = greedy(model, prompt, 32)
-    finally:
-        mlx_fastops.unpatch(model)
-    low = np.nonzero(margins[0] < MARGIN)[0]
-    upto = int(low[0]) if len(low) else 32
-    assert (got[0, :upto] == ref[0, :upto]).all()
+    ref, _, _ = greedy(model, prompt, 32)
+    runs = []
+    for off in (False, True):
+        report = mlx_fastops.patch(model, disable=("compile",) if off else ())
+        try:
+            compiled = any(e.fusion == "compile" and e.status == "fused" for e in report.entries)
+            assert compiled != off
+            runs.append(_forced(model, prompt, ref))
+        finally:
+            mlx_fastops.unpatch(model)
+    with_compile, without = runs
+    assert np.abs(with_compile - without).max() <= 0.02 * np.abs(without).max()
+    top2 = np.sort(without, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] >= CLEAR
+    assert (with_compile.argmax(-1)[clear] == without.argmax(-1)[clear]).all()
 
 
 REAL = ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.2-1b", "qwen2.5-0.5b"]
@@ -173,23 +189,12 @@ def test_real_sizes_two_layers(name, batch, monkeypatch):
                 assert a.argmax() == r.argmax(), (name, b, step, margins[b, step])
 
 
-def _forced(model, prompt, tokens):
-    """float32 logits [B, n, vocab]: after the prompt, then after each forced token but the last."""
-    cache = make_prompt_cache(model)
-    out = [model(prompt, cache=cache)[:, -1, :]]
-    for i in range(tokens.shape[1] - 1):
-        out.append(model(mx.array(tokens[:, i:i + 1]).astype(mx.int32), cache=cache)[:, -1, :])
-    return np.asarray(mx.stack(out, 1).astype(mx.float32))
-
-
 @pytest.mark.slow
 def test_qwen3_0p6b_patched_at_least_as_close_to_fp32_as_stock(monkeypatch):
     """Real-size bf16 greedy tokens of patched and stock diverge after a few tokens (stock adds
     4-bit GEMVs up in bf16, ours in fp32). Which is right: both against the float32 oracle, fed
     the same tokens. The fused path must not be further from it than stock. (H200, 2026-11-29:
     mean |logit error| stock 0.465, patched 0.389; top-1 agreement 0.917 both.)"""
-    from mlx_fastops import fidelity
-
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     model = synthetic_model("qwen3-0.6b", bits=4)
     prompt = mx.random.randint(0, 151936, (260,), key=mx.random.key(3))

@@ -21,7 +21,6 @@ through the CPU emulator of tests/cuda_emu (`kernels.use_cuda_factory`).
 
 import hashlib
 import math
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -317,7 +316,7 @@ def decode_attention(q, k_cache, v_cache, length, scale):
 
 
 # ---------------------------------------------------------------------------------------------
-# One launch per decoder layer (experimental, MLX_FASTOPS_LAYER_KERNEL=1)
+# One launch per decoder layer (default; MLX_FASTOPS_DISABLE=layer_kernel: 5 launches)
 # ---------------------------------------------------------------------------------------------
 
 # A decode step is bound by MLX's host cost per kernel node (~10 us), not by the GPU
@@ -511,9 +510,10 @@ def _as_packed(m):
 
 
 class FastBlock:
-    """The 5-launch decode path of one decoder block (see the module docstring)."""
+    """The fused decode path of one decoder block (see the module docstring): one launch, or with
+    one_launch=False the same 5 kernels as 5 launches."""
 
-    def __init__(self, block):
+    def __init__(self, block, one_launch=True):
         attn, mlp = block._attention, block._mlp
         self.qkv = attn.qkv_weights
         self.gate_up = mlp.gate_up_weights
@@ -540,7 +540,7 @@ class FastBlock:
         self.head_tickets = tickets(self.H + 2 * self.HKV)
         self.attn_tickets = tickets(MAX_ROWS * self.HKV)
         self.layer_counters = tickets(LAYER_GROUPS)   # the one-launch layer's group counters
-        self.one_launch = os.environ.get("MLX_FASTOPS_LAYER_KERNEL", "0") == "1"
+        self.one_launch = one_launch
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
     @staticmethod
@@ -660,7 +660,7 @@ def fast_block(block, disabled=()):
     reason = FastBlock.unsupported(block)
     if reason:
         return None, reason
-    return FastBlock(block), None
+    return FastBlock(block, one_launch="layer_kernel" not in disabled), None
 
 
 def make_cache(model):
