@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 case "$mode" in
   tests)
-    timeout 280 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
+    timeout 300 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
     timeout 280 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
     tail -n 5 "$OUT/test_kernels.log" "$OUT/test_models.log" ;;
   models)
