@@ -201,7 +201,7 @@ class _Patcher:
             if fn.one_launch:
                 self.report.add(where, "layer_kernel", "fused", self.backend)
             else:
-                self.skip(where, "layer_kernel", "disabled")
+                self.skip(where, "layer_kernel", fn.one_launch_off)
 
     def head(self, model):
         """Returns (object, original class) for the class swap, or None."""

@@ -313,3 +313,33 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
     for a5, a1 in ((out5, out1), (o5, o1), (kc5, kc1), (vc5, vc1)):
         assert mx.array_equal(a5, a1)
     assert not mx.array_equal(kc1[:, :, P + L - 1], k0[:, :, P + L - 1])   # the new rows were written
+
+
+@pytest.mark.parametrize("limit,disable,one_launch", [(1.0, (), True), (0.99, (), False),
+                                                      (1.0, ("layer_kernel",), False)])
+def test_one_launch_chosen_by_layer_size(limit, disable, one_launch, monkeypatch):
+    """One launch per layer up to ONE_LAUNCH_MAX_WEIGHTS (where the H200 measured it faster than 5
+    launches; the limit is set here relative to the tiny layer's size), 5 launches above it or when
+    disabled; the patch report says which and why."""
+    from mlx_fastops import synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16)
+    c = model.args
+    D = c.head_dim
+    weights = c.hidden_size * (D * (c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * c.intermediate_size) \
+        + D * c.num_attention_heads * c.hidden_size
+    monkeypatch.setattr(C, "ONE_LAUNCH_MAX_WEIGHTS", int(limit * weights))
+    report = mlx_fastops.patch(model, disable=("compile", *disable))   # the emulator cannot be traced
+    try:
+        fb = model.model.layers[0].fast_fn
+        assert fb.weights == weights and fb.one_launch is one_launch
+        entries = [e for e in report.entries if e.fusion == "layer_kernel"]
+        assert len(entries) == c.num_hidden_layers
+        assert all(e.status == ("fused" if one_launch else "skipped") for e in entries)
+        if not one_launch:
+            assert entries[0].reason == ("disabled" if disable else fb.one_launch_off)
+            assert disable or "5 launches are faster" in entries[0].reason, entries[0].reason
+    finally:
+        mlx_fastops.unpatch(model)

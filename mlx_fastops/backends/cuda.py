@@ -509,11 +509,18 @@ def _as_packed(m):
     return PackedLinear(m.weight, m.scales, m.biases, None, (m.weight.shape[0],), K, m.bits, m.group_size)
 
 
-class FastBlock:
-    """The fused decode path of one decoder block (see the module docstring): one launch, or with
-    one_launch=False the same 5 kernels as 5 launches."""
+# One launch per layer wins where a decode step is bound by MLX's cost per kernel node (Qwen3-0.6B,
+# 16M weights per layer: 1.2x the 5 launches), ties at Llama-3.2-1B (60M) and loses on larger layers
+# (Qwen3-4B 101M, 8B 189M: 0.8x; the one kernel takes the register count of its largest phase, so
+# fewer blocks of the big GEMVs are in flight). benchmarks/results/cuda_bench_layer_kernel.md.
+ONE_LAUNCH_MAX_WEIGHTS = 64 << 20
 
-    def __init__(self, block, one_launch=True):
+
+class FastBlock:
+    """The fused decode path of one decoder block (see the module docstring): one launch, or (large
+    layers, or layer_kernel in `disabled`) the same 5 kernels as 5 launches."""
+
+    def __init__(self, block, disabled=()):
         attn, mlp = block._attention, block._mlp
         self.qkv = attn.qkv_weights
         self.gate_up = mlp.gate_up_weights
@@ -540,7 +547,11 @@ class FastBlock:
         self.head_tickets = tickets(self.H + 2 * self.HKV)
         self.attn_tickets = tickets(MAX_ROWS * self.HKV)
         self.layer_counters = tickets(LAYER_GROUPS)   # the one-launch layer's group counters
-        self.one_launch = one_launch
+        self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
+        self.one_launch_off = ("disabled" if "layer_kernel" in disabled else
+                               f"{self.weights >> 20}M weights per layer > {ONE_LAUNCH_MAX_WEIGHTS >> 20}M: "
+                               "5 launches are faster" if self.weights > ONE_LAUNCH_MAX_WEIGHTS else None)
+        self.one_launch = self.one_launch_off is None
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
     @staticmethod
@@ -660,7 +671,7 @@ def fast_block(block, disabled=()):
     reason = FastBlock.unsupported(block)
     if reason:
         return None, reason
-    return FastBlock(block, one_launch="layer_kernel" not in disabled), None
+    return FastBlock(block, disabled), None
 
 
 def make_cache(model):
