@@ -5,7 +5,8 @@
 
 Copies of each synthetic model (same seed, so the same weights) are built: one stays stock, one
 is patched (MLX_FASTOPS_BACKEND=cuda; one launch per decoder layer), and with --five-launch a third
-is patched with layer_kernel off (the same kernels, 5 launches per layer). Each repetition runs every variant (the order rotates between
+is patched with layer_kernel off (the same kernels, 5 launches per layer), and per --experimental
+NAMES (repeatable) one is patched with those experiments on. Each repetition runs every variant (the order rotates between
 repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
 (greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
 definition), decode tok/s = (gen - 1) / time from the first to the last token. Reports median and
@@ -14,6 +15,7 @@ step: Python graph-building time (model call, no evaluation) vs time to evaluate
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -53,14 +55,21 @@ def device_name():
 
 
 def run_once(model, prompt, gen):
+    """(prompt tok/s, decode tok/s, tokens). Python's garbage collector is paused while timing (for
+    every variant alike): a collection costs milliseconds, a decode step a few hundred us."""
     toks = []
-    t0 = time.perf_counter()
-    t_first = None
-    for i, (tok, _) in enumerate(generate_step(prompt, model, max_tokens=gen)):
-        if i == 0:
-            t_first = time.perf_counter()
-        toks.append(int(tok))
-    t_end = time.perf_counter()
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        t_first = None
+        for i, (tok, _) in enumerate(generate_step(prompt, model, max_tokens=gen)):
+            if i == 0:
+                t_first = time.perf_counter()
+            toks.append(int(tok))
+        t_end = time.perf_counter()
+    finally:
+        gc.enable()
     return len(prompt) / (t_first - t0), (gen - 1) / (t_end - t_first), toks
 
 
@@ -88,22 +97,31 @@ def stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
-def build_variants(name, bits, five_launch):
-    """[(tag, model)]: stock, patched (one launch per layer), and with --five-launch the same fused
-    path in 5 launches per layer (layer_kernel disabled). Same seed: same weights."""
+def build_variants(name, bits, five_launch, experimental=()):
+    """[(tag, model)]: stock, patched (one launch per layer), with --five-launch the same fused
+    path in 5 launches per layer (layer_kernel disabled), and per --experimental NAMES one patched
+    with those experiments on (MLX_FASTOPS_EXPERIMENTAL while patching). Same seed: same weights."""
     variants = [("stock", synthetic_model(name, bits=bits)), ("patched", synthetic_model(name, bits=bits))]
     reports = {"patched": mlx_fastops.patch(variants[1][1])}
     if five_launch:
         m = synthetic_model(name, bits=bits)
         reports["five-launch"] = mlx_fastops.patch(m, disable=["layer_kernel"])
         variants.append(("five-launch", m))
+    for names in experimental:
+        m = synthetic_model(name, bits=bits)
+        os.environ["MLX_FASTOPS_EXPERIMENTAL"] = names
+        try:
+            reports[names] = mlx_fastops.patch(m)
+        finally:
+            del os.environ["MLX_FASTOPS_EXPERIMENTAL"]
+        variants.append((names, m))
     return variants, reports
 
 
-def bench_model(name, bits, reps, prompts, gen, log, five_launch=False):
+def bench_model(name, bits, reps, prompts, gen, log, five_launch=False, experimental=()):
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     t0 = time.perf_counter()
-    variants, reports = build_variants(name, bits, five_launch)
+    variants, reports = build_variants(name, bits, five_launch, experimental)
     log(f"{name}: models built and patched in {time.perf_counter() - t0:.1f}s")
     log(str(reports["patched"]))
     tags = [t for t, _ in variants]
@@ -181,7 +199,10 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results/cuda_bench")
     ap.add_argument("--five-launch", action="store_true",
-                    help="add a third variant: the fused path in 5 launches per layer (layer_kernel off)")
+                    help="add a variant: the fused path in 5 launches per layer (layer_kernel off)")
+    ap.add_argument("--experimental", action="append", default=[], metavar="NAMES",
+                    help="add a variant patched with these experiments on (comma-separated names of "
+                         "mlx_fastops.config.EXPERIMENTS); may be given more than once")
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_bench: MLX's CUDA backend is not available here")
@@ -198,7 +219,7 @@ def main():
     results = []
     for name in a.models.split(","):
         results.append(bench_model(name, a.bits, a.reps, [int(p) for p in a.prompts.split(",")], a.gen, log,
-                                   a.five_launch))
+                                   a.five_launch, a.experimental))
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

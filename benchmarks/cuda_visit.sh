@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device visit (after `source .device-wheels/b/install.sh`); logs go to $OUT. Usage:
-#   bash benchmarks/cuda_visit.sh tests    # pytest -m cuda, kernels then models (~8 min: NVRTC ~3 s per variant)
-#   bash benchmarks/cuda_visit.sh models   # pytest -m cuda tests/test_cuda_models.py only (~5 min)
+#   bash benchmarks/cuda_visit.sh tests    # pytest -m cuda tests/test_cuda_kernels.py (~6 min: NVRTC ~3 s per variant)
+#   bash benchmarks/cuda_visit.sh models   # pytest -m cuda tests/test_cuda_models.py (~5.5 min)
 #   bash benchmarks/cuda_visit.sh trace    # kernel timeline of Qwen3-0.6B decode, stock vs patched (~1 min)
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
 #   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models (~2-5 min)
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
-#   bash benchmarks/cuda_visit.sh layer    # one-launch vs 5-launch layer: tests, trace, 0.6B bench (~4 min)
+#   bash benchmarks/cuda_visit.sh layer    # one-launch layer: tests, trace, and a bench of 5 launches and
+#                                          # of the config.EXPERIMENTS (0.6B, 1B, 4B; ~6 min)
 set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
@@ -14,11 +15,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 case "$mode" in
   tests)
-    timeout 300 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
-    timeout 280 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
-    tail -n 5 "$OUT/test_kernels.log" "$OUT/test_models.log" ;;
+    timeout 560 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
+    tail -n 8 "$OUT/test_kernels.log" ;;
   models)
-    timeout 330 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
+    timeout 420 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
     grep -E "row|passed|failed|FAILED" "$OUT/test_models.log" | tail -n 60 ;;
   trace)
     timeout 150 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1
@@ -36,11 +36,15 @@ case "$mode" in
     timeout 150 python3 benchmarks/cuda_kernels.py --out benchmarks/results/cuda_kernels > "$OUT/kernels.log" 2>&1
     tail -25 "$OUT/kernels.log"; cp benchmarks/results/cuda_kernels.* "$OUT/" ;;
   layer)
-    timeout 150 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k "one_launch or tiny_model" \
-      -p no:cacheprovider > "$OUT/test_layer.log" 2>&1; tail -5 "$OUT/test_layer.log"
-    timeout 120 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace_layer.log" 2>&1
+    timeout 150 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k "one_launch or tiny_model or causal" \
+      -p no:cacheprovider > "$OUT/test_layer.log" 2>&1; tail -n 5 "$OUT/test_layer.log"
+    MLX_FASTOPS_EXPERIMENTAL=layer_prefetch,layer_wait_load timeout 120 python3 benchmarks/cuda_trace.py \
+      --out "$OUT" > "$OUT/trace_layer.log" 2>&1
     grep "^wall\|^## " "$OUT/trace_layer.log"
-    timeout 200 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b --five-launch \
-      --out "$OUT/bench_layer" > "$OUT/bench_layer.log" 2>&1; tail -14 "$OUT/bench_layer.log" ;;
+    timeout 300 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,llama-3.2-1b,qwen3-4b --five-launch \
+      --experimental layer_prefetch --experimental layer_wait_load --experimental layer_prefetch,layer_wait_load \
+      --experimental layer_kernel_any_size,attn_head_split,layer_prefetch,layer_wait_load \
+      --out "$OUT/bench_layer" > "$OUT/bench_layer.log" 2>&1
+    tail -n 30 "$OUT/bench_layer.log" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

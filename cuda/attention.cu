@@ -6,22 +6,26 @@
 // q, o: [B, L, H, D] contiguous; kc, vc: the cache buffers [B, HKV, S, D] (S = allocated slots),
 // indexed through their strides (ensure_row_contiguous=False: MLX never copies them; the last
 // axis must be contiguous and rows 16-byte aligned, as in every KV cache buffer).
-// Grid: x = split, y = kv head, z = b * L + l; NW warps per block. The split size is set at run
-// time from the valid length n: CH = max(ceil(n / nsplit), MINCH) positions, so every launched
-// split has work however large the allocated cache is (splits past n exit at once).
-// One block reads each K/V row of its chunk once for all G = H / HKV query heads of its kv head.
+// Grid: x = split, y = kv head * (G / GB) + head subgroup, z = b * L + l; NW warps per block. The
+// split size is set at run time from the valid length n: CH = max(ceil(n / nsplit), MINCH)
+// positions, so every launched split has work however large the allocated cache is (splits past
+// n exit at once).
+// One block reads each K/V row of its chunk once for GB of the G = H / HKV query heads of its kv
+// head (GB = G: once in all; GB < G: fewer registers per thread, the chunk read G / GB times).
 // Lanes: LPP = D / 8 lanes hold one key row (16-byte loads), PPW = 32 / LPP rows per warp step,
 // SLOTS = NW * PPW independent online-softmax states per block, merged through shared memory.
 // Online softmax in fp32 with exp2 (q pre-scaled by scale * log2 e); a slot with no position
 // keeps m = -inf, l = 0 and is skipped in the merge (no -inf - -inf).
 // With more than one valid split each block writes its partial: pm (max, sum) and po (unnormalised
-// output), and the last block to finish (atomic ticket on cnt[b*L*HKV + kv head], an input written
-// through a const_cast that the last block resets to 0) merges them: one launch.
+// output), and the last block to finish (atomic ticket on cnt[(b*L*HKV + kv head) * G/GB +
+// subgroup], an input written through a const_cast that the last block resets to 0) merges them:
+// one launch.
 //
-// Defines: T, L, H, HKV, D, G, NW, MINCH, SCALE_LOG2; BLOCK_X/Y/Z, GRID_X: the block's coordinates
-// (blockIdx/gridDim in a launch of its own; set by the caller when it is one phase of a launch).
-// Inputs: q, kc, vc, off, cnt.   Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32,
-//   po [B*L*HKV, nsplit, G, D] f32.
+// Defines: T, L, H, HKV, D, G, GB, NW, MINCH, SCALE_LOG2; BLOCK_X/Y/Z, GRID_X: the block's
+// coordinates (blockIdx/gridDim in a launch of its own; set by the caller when it is one phase of
+// a launch).
+// Inputs: q, kc, vc, off, cnt (>= B*L*HKV*G/GB).   Outputs: o [B, L, H, D],
+//   pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
   constexpr int LPP = D / 8;
   constexpr int PPW = 32 / LPP;
@@ -30,7 +34,11 @@
 
   const int split = BLOCK_X;
   const int nsplit = GRID_X;
-  const int hk = BLOCK_Y;
+  static_assert(GB >= 1 && G % GB == 0, "GB (query heads per block) must divide G");
+  constexpr int NSUB = G / GB;
+  const int hk = BLOCK_Y / NSUB;
+  const int g0 = (BLOCK_Y % NSUB) * GB;   // this block's first head within the kv head's group
+  const int h0 = hk * G + g0;             // ... and within all H
   const int bl = BLOCK_Z;
   const int b = bl / L, l = bl % L;
   const int n = off[0] + l + 1;
@@ -45,18 +53,18 @@
   const int sub = lane / LPP, li = lane % LPP;
   const int d0 = li * 8;
 
-  float qf[G][8];
+  float qf[GB][8];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GB; ++g) {
     alignas(16) T tmp[8];
     *reinterpret_cast<uint4*>(tmp) =
-        *reinterpret_cast<const uint4*>(q + (((size_t)bl * H) + hk * G + g) * D + d0);
+        *reinterpret_cast<const uint4*>(q + (((size_t)bl * H) + h0 + g) * D + d0);
 #pragma unroll
     for (int j = 0; j < 8; ++j) qf[g][j] = static_cast<float>(tmp[j]) * SCALE_LOG2;
   }
-  float mx_[G], ls[G], of[G][8];
+  float mx_[GB], ls[GB], of[GB][8];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GB; ++g) {
     mx_[g] = -INFINITY;
     ls[g] = 0.f;
 #pragma unroll
@@ -75,7 +83,7 @@
     *reinterpret_cast<uint4*>(kt) = *reinterpret_cast<const uint4*>(kc + kbase + p * kc_strides[2]);
     *reinterpret_cast<uint4*>(vt) = *reinterpret_cast<const uint4*>(vc + vbase + p * vc_strides[2]);
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GB; ++g) {
       float s = 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) s = fmaf(qf[g][j], static_cast<float>(kt[j]), s);
@@ -90,12 +98,12 @@
       mx_[g] = mnew;
     }
   }
-  __shared__ float sm_m[SLOTS][G];
-  __shared__ float sm_l[SLOTS][G];
-  __shared__ float sm_o[SLOTS][G][D];
+  __shared__ float sm_m[SLOTS][GB];
+  __shared__ float sm_l[SLOTS][GB];
+  __shared__ float sm_o[SLOTS][GB][D];
   const int slot = warp * PPW + sub;
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GB; ++g) {
     if (li == 0) {
       sm_m[slot][g] = mx_[g];
       sm_l[slot][g] = ls[g];
@@ -107,7 +115,7 @@
 
   // merge the slots: thread per (g, d)
   const size_t pbase = ((size_t)bl * HKV + hk) * nsplit;   // first partial of this (b, l, kv head)
-  for (int e = tid; e < G * D; e += NW * 32) {
+  for (int e = tid; e < GB * D; e += NW * 32) {
     const int g = e / D, d = e % D;
     float M = -INFINITY;
 #pragma unroll
@@ -123,12 +131,12 @@
       }
     }
     if (nvalid == 1) {
-      o[(((size_t)bl * H) + hk * G + g) * D + d] = static_cast<T>(acc / lsum);
+      o[(((size_t)bl * H) + h0 + g) * D + d] = static_cast<T>(acc / lsum);
     } else {
-      po[((pbase + split) * G + g) * D + d] = acc;
+      po[((pbase + split) * G + g0 + g) * D + d] = acc;
       if (d == 0) {
-        pm[((pbase + split) * G + g) * 2] = M;
-        pm[((pbase + split) * G + g) * 2 + 1] = lsum;
+        pm[((pbase + split) * G + g0 + g) * 2] = M;
+        pm[((pbase + split) * G + g0 + g) * 2 + 1] = lsum;
       }
     }
   }
@@ -138,7 +146,7 @@
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    int* c = const_cast<int*>(cnt) + (bl * HKV + hk);
+    int* c = const_cast<int*>(cnt) + (bl * HKV + hk) * NSUB + g0 / GB;
     const int ticket = atomicAdd(c, 1);
     s_last = (ticket == nvalid - 1);
     if (s_last) *c = 0;   // reset for the next launch (launches are stream-ordered)
@@ -148,31 +156,32 @@
   __threadfence();
 
   // final merge over the splits: c[s][g] = exp2(m_s - M_g), o = sum_s c po_s / sum_s c l_s
-  __shared__ float sm_c[MAXSPLIT][G];
-  __shared__ float sm_M[G];
-  __shared__ float sm_inv[G];
-  for (int e = tid; e < nvalid * G; e += NW * 32) sm_c[e / G][e % G] = __ldcg(pm + (pbase * G + e) * 2);
+  __shared__ float sm_c[MAXSPLIT][GB];
+  __shared__ float sm_M[GB];
+  __shared__ float sm_inv[GB];
+  for (int e = tid; e < nvalid * GB; e += NW * 32)
+    sm_c[e / GB][e % GB] = __ldcg(pm + ((pbase + e / GB) * G + g0 + e % GB) * 2);
   __syncthreads();
-  if (tid < G) {
+  if (tid < GB) {
     float M = -INFINITY;
     for (int s = 0; s < nvalid; ++s) M = fmaxf(M, sm_c[s][tid]);
     sm_M[tid] = M;
   }
   __syncthreads();
-  for (int e = tid; e < nvalid * G; e += NW * 32) sm_c[e / G][e % G] = exp2f(sm_c[e / G][e % G] - sm_M[e % G]);
+  for (int e = tid; e < nvalid * GB; e += NW * 32) sm_c[e / GB][e % GB] = exp2f(sm_c[e / GB][e % GB] - sm_M[e % GB]);
   __syncthreads();
-  if (tid < G) {
+  if (tid < GB) {
     float lsum = 0.f;
-    for (int s = 0; s < nvalid; ++s) lsum = fmaf(__ldcg(pm + ((pbase + s) * G + tid) * 2 + 1), sm_c[s][tid], lsum);
+    for (int s = 0; s < nvalid; ++s) lsum = fmaf(__ldcg(pm + ((pbase + s) * G + g0 + tid) * 2 + 1), sm_c[s][tid], lsum);
     sm_inv[tid] = 1.f / lsum;
   }
   __syncthreads();
-  for (int e = tid; e < G * D / 4; e += NW * 32) {
+  for (int e = tid; e < GB * D / 4; e += NW * 32) {
     const int g = (e * 4) / D, d = (e * 4) % D;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int s = 0; s < nvalid; ++s) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(po + ((pbase + s) * G + g) * D + d));
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(po + ((pbase + s) * G + g0 + g) * D + d));
       const float c = sm_c[s][g];
       acc.x = fmaf(v.x, c, acc.x);
       acc.y = fmaf(v.y, c, acc.y);
@@ -180,7 +189,7 @@
       acc.w = fmaf(v.w, c, acc.w);
     }
     const float inv = sm_inv[g];
-    T* dst = o + (((size_t)bl * H) + hk * G + g) * D + d;
+    T* dst = o + (((size_t)bl * H) + h0 + g) * D + d;
     dst[0] = static_cast<T>(acc.x * inv);
     dst[1] = static_cast<T>(acc.y * inv);
     dst[2] = static_cast<T>(acc.z * inv);

@@ -30,7 +30,8 @@
 //                launch through their use of yq). The completing block resets its ticket to 0.
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
-// fused launch), BITS, GS, M, R, NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, and for
+// fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
+// NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -81,6 +82,20 @@
     }
   };
   if (lane * EPW < K) load_w(lane * EPW);
+#ifdef WAIT_INPUTS
+  // A phase of the one-launch layer (experiment layer_prefetch): the weights do not depend on the
+  // earlier phases, so this warp's rows (and their scales/biases) are sent on to L2 before the
+  // block waits for its inputs. Nothing above reads x, res or any earlier phase's output.
+#pragma unroll
+  for (int r = 0; r < RR; ++r) {
+    for (int i = lane * 32; i < KW; i += 32 * 32) prefetch_l2(w + (size_t)wrow[r] * KW + i);
+    if (lane == 0) {
+      prefetch_l2(sc + (size_t)wrow[r] * NG);
+      prefetch_l2(bi + (size_t)wrow[r] * NG);
+    }
+  }
+  WAIT_INPUTS;
+#endif
 
 #if HAS_NORM
   __shared__ float s_inv[M];

@@ -2,6 +2,7 @@
 
 MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FUSIONS)
 MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
+MLX_FASTOPS_EXPERIMENTAL  comma-separated names of EXPERIMENTS to switch on (read at patch time)
 """
 
 import contextlib
@@ -29,6 +30,19 @@ FUSIONS = {
     "lm_head_kernel": "GPU kernel of the lm_head op (off: the stock quantized_matmul)",
 }
 
+# Kernel variants that are written and verified (emulator) but not yet measured faster on a GPU:
+# off unless named in MLX_FASTOPS_EXPERIMENTAL.
+EXPERIMENTS = {
+    "layer_prefetch": "CUDA one-launch layer: each GEMV phase starts its weights (first step into "
+                      "registers, its rows into L2) before it waits for the previous phase",
+    "layer_wait_load": "CUDA one-launch layer: blocks poll the previous phase's counter with loads, "
+                       "not atomic read-modify-writes that queue with that phase's arrivals",
+    "attn_head_split": "CUDA fast decode: attention blocks take at most 2 of a kv head's query heads "
+                       "(fewer registers; the K/V chunk is read once per pair of heads)",
+    "layer_kernel_any_size": "CUDA: one launch per layer for every layer size (default: up to "
+                             "ONE_LAUNCH_MAX_WEIGHTS; larger ones lose with GQA 4's register count)",
+}
+
 BACKENDS = ("auto", "reference", "metal", "cuda")
 
 
@@ -52,6 +66,15 @@ def disabled(extra=()):
     """Fusions switched off by MLX_FASTOPS_DISABLE, by the running patch(disable=...), and `extra`."""
     env = parse_names(os.environ.get("MLX_FASTOPS_DISABLE", ""), "MLX_FASTOPS_DISABLE")
     return env | _patch_disabled.get() | parse_names(extra, "disable")
+
+
+def experiments():
+    """The EXPERIMENTS switched on by MLX_FASTOPS_EXPERIMENTAL; raises ValueError naming bad names."""
+    on = {n for n in os.environ.get("MLX_FASTOPS_EXPERIMENTAL", "").replace(" ", "").split(",") if n}
+    unknown = sorted(on - EXPERIMENTS.keys())
+    if unknown:
+        raise ValueError(f"MLX_FASTOPS_EXPERIMENTAL: unknown name(s) {unknown}; valid names are {sorted(EXPERIMENTS)}")
+    return on
 
 
 @contextlib.contextmanager

@@ -231,9 +231,11 @@ def patch(model, disable=()):
         return state["report"]
     recipe = _family(model)
     disabled = config.disabled(disable)
+    experiments = frozenset(config.experiments())   # bad names fail here, whatever the backend
     backend = config.backend_name()
+    key = (backend, frozenset(disabled), experiments)
     parked = model.__dict__.pop(_PARKED, None)
-    if parked is not None and parked["key"] == (backend, frozenset(disabled)):
+    if parked is not None and parked["key"] == key:
         # Re-patch after unpatch with the same settings: reuse the fused modules (no re-stacking).
         _swap_in(model, parked)
         return parked["report"]
@@ -251,7 +253,7 @@ def patch(model, disable=()):
     mx.eval(model.parameters())
     fused = list(layers)
     object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head,
-                                       "fused": fused, "key": (backend, frozenset(disabled)),
+                                       "fused": fused, "key": key,
                                        "cache_hook": cache_hook, "step": step})
     # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
     _warm_up(model, backend)

@@ -103,11 +103,12 @@ def attn_case(dtype, L, H, HKV, D):
     return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
 
 
-def layer_case(M, head, nsplit, shapes, bias=False):
+def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None):
     """The one-launch decoder layer (C._layer_build), captured instead of built."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
-        kw, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088)
+        kw, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
+                               gb, prefetch, prefetch)
     T = C._CTYPE[mx.bfloat16]
     typ = lambda n: "uint32_t" if n.endswith("_w") else ("int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr")
                                                          else ("float" if n == "rf" else T))
@@ -123,6 +124,10 @@ def cases():
     shapes06 = ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072))
     for M in (1, 2):
         yield f"layer qwen3-0.6b M{M}", layer_case(M, {**q06, "L": 1}, 33, shapes06)
+        yield f"layer qwen3-0.6b M{M} prefetch", layer_case(M, {**q06, "L": 1}, 33, shapes06, prefetch=True)
+    shapes4b = ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728))
+    yield "layer qwen3-4b M1", layer_case(1, {**q06, "H": 32}, 33, shapes4b)
+    yield "layer qwen3-4b M1 gb2", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2)
     g8 = {**q06, "H": 64, "HKV": 8}     # GQA 8, D 128: the largest attention phase
     yield "layer G8 D128 M8", layer_case(8, g8, 4, ((4, 64, 10240, 4096), (4, 64, 4096, 8192),
                                                     (4, 64, 28672, 4096), (4, 64, 4096, 14336)))

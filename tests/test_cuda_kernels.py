@@ -229,18 +229,25 @@ def _check_attention(dtype, D, G, B, length, S):
     assert rel(o3, ref3) < 1e-2
 
 
-@pytest.mark.parametrize("L", [2, 5])
-def test_attention_multi_token_causal(L):
-    dt, B, HKV, G, D, S, off = mx.bfloat16, 2, 2, 4, 128, 512, 200
+@pytest.mark.parametrize("L,G,gb,off", [(2, 4, None, 200), (5, 4, None, 200), (1, 4, 2, 0), (1, 4, 2, 900),
+                                        (3, 8, 2, 300), (1, 8, 4, 2000), (2, 4, 1, 40)])
+def test_attention_multi_token_causal(L, G, gb, off):
+    """L new tokens per row after `off` cached ones; gb < G: each block takes gb of the G query
+    heads of its kv head (experiment attn_head_split), one split or many."""
+    dt, B, HKV, D = mx.bfloat16, 2, 2, 128
+    S = off + L + 64
     q = mx.random.normal((B, L, HKV * G, D)).astype(dt)
     kc = mx.random.normal((B, HKV, S, D)).astype(dt)
     vc = mx.random.normal((B, HKV, S, D)).astype(dt)
-    o = C.attention(q, kc, vc, C.offset_array(off), D ** -0.5)
-    k = kc[:, :, :off + L].astype(mx.float32)
-    v = vc[:, :, :off + L].astype(mx.float32)
-    ref = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3).astype(mx.float32), k, v,
-                                               scale=D ** -0.5, mask="causal")
-    assert rel(o, ref.transpose(0, 2, 1, 3)) < 1e-2
+    cnt = C.tickets(B * L * HKV * G)
+    for _ in range(2):   # again: the tickets must have been left zero
+        o = C.attention(q, kc, vc, C.offset_array(off), D ** -0.5, cnt, gb)
+        k = kc[:, :, :off + L].astype(mx.float32)
+        v = vc[:, :, :off + L].astype(mx.float32)
+        ref = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3).astype(mx.float32), k, v,
+                                                   scale=D ** -0.5, mask="causal").transpose(0, 2, 1, 3)
+        for h in range(HKV * G):   # per head: a subgroup that is never computed cannot hide
+            assert rel(o[:, :, h], ref[:, :, h]) < 1e-2, h
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "llama-tiny", "qwen2-tiny"])
@@ -281,8 +288,11 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1), ("qwen2-tiny", 1, 1),
                                           ("qwen3-tiny", 2, 3)])
 def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
-    """The one-launch decoder layer (the default) computes exactly what the 5-launch path
-    (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache rows, bit for bit."""
+    """The one-launch decoder layer (the default), also with the experiments layer_prefetch (GEMV
+    phases wait inside, after sending their weights on) and layer_wait_load (waits poll with
+    loads), computes exactly what the 5-launch path
+    (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache rows, bit for bit.
+    Where G allows, again with attention blocks of 2 query heads (experiment attn_head_split)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -297,22 +307,25 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
         v0 = mx.random.normal((batch, fb.HKV, 512, D)).astype(mx.bfloat16)
         x = mx.random.normal((batch, L, a.hidden_size)).astype(mx.bfloat16)   # L new tokens each
         off = C.offset_array(P)
-        results = []
-        for one in (False, True):
-            fb.one_launch = one
-            kc, vc = k0 + 0, v0 + 0
-            mx.eval(kc, vc)
-            out, o = fb.core(x, off, kc, vc, kc)
-            mx.eval(out, o)
-            results.append((out, o, kc, vc))
+        G = fb.H // fb.HKV
+        results = {}
+        for fb.gb in sorted({G, 2 if G % 2 == 0 else G}):
+            for fb.one_launch, fb.prefetch, fb.wait_load in ((False, False, False), (True, False, False),
+                                                             (True, True, False), (True, False, True)):
+                kc, vc = k0 + 0, v0 + 0
+                mx.eval(kc, vc)
+                out, o = fb.core(x, off, kc, vc, kc)
+                mx.eval(out, o)
+                results.setdefault(fb.gb, []).append((out, o, kc, vc))
         assert not np.asarray(fb.layer_counters).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)
-    (out5, o5, kc5, vc5), (out1, o1, kc1, vc1) = results
-    assert np.isfinite(np.asarray(out1.astype(mx.float32))).all()
-    for a5, a1 in ((out5, out1), (o5, o1), (kc5, kc1), (vc5, vc1)):
-        assert mx.array_equal(a5, a1)
-    assert not mx.array_equal(kc1[:, :, P + L - 1], k0[:, :, P + L - 1])   # the new rows were written
+    for five, *one in results.values():
+        assert np.isfinite(np.asarray(five[0].astype(mx.float32))).all()
+        assert not mx.array_equal(five[2][:, :, P + L - 1], k0[:, :, P + L - 1])   # the new rows were written
+        for variant in one:
+            for a5, a1 in zip(five, variant):
+                assert mx.array_equal(a5, a1)
 
 
 @pytest.mark.parametrize("limit,disable,one_launch", [(1.0, (), True), (0.99, (), False),

@@ -230,8 +230,10 @@ def attn_splits(S, rows):
     return max(1, min(want, ATTN_MAX_SPLITS, -(-S // ATTN_MINCH)))
 
 
-def attn_defines(L, H, HKV, D, scale):
-    return dict(L=L, H=H, HKV=HKV, D=D, G=H // HKV, NW=ATTN_WARPS, MINCH=ATTN_MINCH,
+def attn_defines(L, H, HKV, D, scale, gb=None):
+    """gb: query heads per block (a divisor of G = H / HKV; default G)."""
+    G = H // HKV
+    return dict(L=L, H=H, HKV=HKV, D=D, G=G, GB=gb or G, NW=ATTN_WARPS, MINCH=ATTN_MINCH,
                 SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
 
 
@@ -245,30 +247,31 @@ def tickets(n):
 
 
 @cached_builder
-def _attn_kernel(dtype, L, H, HKV, D, scale):
-    src = source("attention.cu", attn_defines(L, H, HKV, D, scale), dtype)
+def _attn_kernel(dtype, L, H, HKV, D, scale, gb):
+    src = source("attention.cu", attn_defines(L, H, HKV, D, scale, gb), dtype)
     return cuda_kernel(name=_name("attn", src), input_names=["q", "kc", "vc", "off", "cnt"],
                        output_names=["o", "pm", "po"], source=src, ensure_row_contiguous=False)
 
 
-def attention(q, kc, vc, off, scale, cnt=None):
+def attention(q, kc, vc, off, scale, cnt=None, gb=None):
     """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] cache buffers (read by strides; last axis
     contiguous), off int32[OFF_WORDS] (positions before this step in [0]) -> [B, L, H, D].
-    cnt: int32 tickets, at least B*L*HKV, all zero (left zero)."""
+    cnt: int32 tickets, at least B*L*H, all zero (left zero). gb: query heads per block."""
     B, L, H, D = q.shape
     HKV, S = kc.shape[1], kc.shape[2]
+    G = H // HKV
+    gb = gb or G
     rows = B * L * HKV
     if cnt is None:
         # Calls from unrelated places may run concurrently in one CUDA graph: fresh tickets each
         # (a tiny fill kernel that the attention waits for).
-        cnt = mx.zeros((max(rows, 4),), dtype=mx.int32)
-    kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale))
-    nsplit = attn_splits(S, rows)
-    G = H // HKV
+        cnt = mx.zeros((max(rows * G // gb, 4),), dtype=mx.int32)
+    kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale), gb)
+    nsplit = attn_splits(S, rows * G // gb)
     o, _, _ = kern(inputs=[q, kc, vc, off, cnt],
                    output_shapes=[(B, L, H, D), (rows, nsplit, G, 2), (rows, nsplit, G, D)],
                    output_dtypes=[q.dtype, mx.float32, mx.float32],
-                   grid=(nsplit * ATTN_WARPS * 32, HKV, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
+                   grid=(nsplit * ATTN_WARPS * 32, HKV * G // gb, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
     return o
 
 
@@ -329,6 +332,11 @@ def decode_attention(q, k_cache, v_cache, length, scale):
 
 
 _LAYER_HELPERS = r"""
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#endif
+}
 __device__ __forceinline__ void layer_done(const int* ctr, int g) {
   __threadfence();   // every thread's writes, then the block's arrival
   __syncthreads();
@@ -337,7 +345,12 @@ __device__ __forceinline__ void layer_done(const int* ctr, int g) {
 __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
   if (threadIdx.x == 0) {
     int spins = 0;
+#if LAYER_WAIT_LOAD
+    // plain loads: polls do not queue behind the arrivals' atomics on the counter's L2 line
+    while (*reinterpret_cast<const volatile int*>(ctr + g) < n) {
+#else
     while (atomicAdd(const_cast<int*>(ctr) + g, 0) < n) {
+#endif
       // Never for long: the blocks waited for were dispatched first. A trap (~1 s) beats a hang.
       if (++spins > (1 << 22)) __trap();
       __nanosleep(200);
@@ -350,7 +363,8 @@ __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 
-_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "cnt": "const int32_t*", "rf": "const float*",
+_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "cnt": "const int32_t*", "ctr": "const int32_t*",
+           "rf": "const float*",
            "ys": "float*", "pm": "float*", "po": "float*"}
 
 
@@ -371,55 +385,67 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 
 @cached_builder
-def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale):
-    """shapes: ((bits, gs, N, K) of qkv, o, gate_up, down)."""
+def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
+                 wait_load=False):
+    """shapes: ((bits, gs, N, K) of qkv, o, gate_up, down). gb: the attention's query heads per
+    block. Experiments: prefetch (layer_prefetch): the GEMV phases after the first wait inside
+    gemv.cu (WAIT_INPUTS), once their weights are on the way, instead of before they start;
+    wait_load (layer_wait_load): waits poll with loads instead of atomics."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
-    (qb, qg, qN, qK), (ob, og, oN, oK), (gb, gg, gN, gK), (db, dg, dN, dK) = shapes
+    (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
     groups = []
-    header = [_LAYER_HELPERS]
+    header = [f"#define LAYER_WAIT_LOAD {int(wait_load)}\n", _LAYER_HELPERS]
+
+    inner_wait = []   # groups that wait inside their phase (WAIT_INPUTS)
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi)
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         ins = gemv_inputs(eps is not None, has_bias, res, hd)
+        g = len(groups)
+        if prefetch and g:
+            d["WAIT_INPUTS"] = f"layer_wait(ctr, {g - 1}, {groups[g - 1]})"
+            ins = ins + ["ctr"]
+            inner_wait.append(g)
         header.append(_phase(name, "gemv.cu", d, dtype, ins, gemv_outputs(epi), shaped=("w",),
                              strided=("kc", "vc")))
         groups.append(gemv_blocks(N, epi, R, nw))
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
-    ad = attn_defines(L, H, HKV, D, scale)
-    ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {HKV})",
-              BLOCK_Z=f"(blk / {nsplit * HKV})", GRID_X=nsplit)
+    ad = attn_defines(L, H, HKV, D, scale, gb)
+    ys = HKV * ad["G"] // ad["GB"]   # the attention grid's y: kv heads x head subgroups
+    ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {ys})",
+              BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit)
     header.append(_phase("layer_attn", "attention.cu", ad, dtype, ["q", "kc", "vc", "off", "cnt"],
                          ["o", "pm", "po"], strided=("kc", "vc")))
-    groups.append(nsplit * HKV * M)
+    groups.append(nsplit * ys * M)
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
-    gemv_phase("layer_gate_up", gb, gg, gN, gK, 2, eps_post, False, False, None)
+    gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
     qkv_in = ["x", "qkv_w", "qkv_w_shape", "qkv_sc", "qkv_bi", "in_nw"] + (["qkv_bias"] if bias else [])
     qkv_in += (["qn", "kn"] if head["qknorm"] else []) + ["off"] + (["rf"] if head["freqs"] else [])
     qkv_in += ["kc", "kc_strides", "vc", "vc_strides", "head_cnt", "after"]
+    ctr = ", ctr" if prefetch else ""
     calls = [f"layer_qkv(blk, {', '.join(qkv_in)}, yq, ys)",
              "layer_attn(blk, yq, kc, kc_strides, vc, vc_strides, off, attn_cnt, o, pm, po)",
-             "layer_o(blk, o, o_w, o_w_shape, o_sc, o_bi, x, h)",
-             "layer_gate_up(blk, h, gu_w, gu_w_shape, gu_sc, gu_bi, post_nw, a)",
-             "layer_down(blk, a, dn_w, dn_w_shape, dn_sc, dn_bi, h, out)"]
+             f"layer_o(blk, o, o_w, o_w_shape, o_sc, o_bi, x{ctr}, h)",
+             f"layer_gate_up(blk, h, gu_w, gu_w_shape, gu_sc, gu_bi, post_nw{ctr}, a)",
+             f"layer_down(blk, a, dn_w, dn_w_shape, dn_sc, dn_bi, h{ctr}, out)"]
     assert len(groups) == len(calls) == LAYER_GROUPS
+    wait = lambda g: "" if g == 0 or g in inner_wait else f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n  "
     body = "  int blk = blockIdx.x;\n"
     for g, (n, call) in enumerate(zip(groups[:-1], calls[:-1])):
-        wait = f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n    " if g else ""
         body += f"""  if (blk < {n}) {{
-    {wait}{call};
+    {wait(g)}{call};
     layer_done(ctr, {g});
     return;
   }}
   blk -= {n};
 """
     last = LAYER_GROUPS - 1
-    body += f"""  layer_wait(ctr, {last - 1}, {groups[last - 1]});
-  {calls[last]};
+    body += f"""  {wait(last)}{calls[last]};
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
@@ -543,15 +569,23 @@ class FastBlock:
                      ("log2_base", math.log2(base)), ("qeps", float(attn._q_norm.eps) if self.qknorm else 0.0),
                      ("qknorm", self.qknorm), ("scale", float(rope.scale)), ("trad", bool(rope.traditional)))
         self.K = self.qkv.in_features
-        # this block's own tickets (head kernel: one per q/k/v head; attention: per row and kv head)
+        # this block's own tickets (head kernel: one per q/k/v head; attention: per row, kv head
+        # and head subgroup)
         self.head_tickets = tickets(self.H + 2 * self.HKV)
-        self.attn_tickets = tickets(MAX_ROWS * self.HKV)
+        self.attn_tickets = tickets(MAX_ROWS * self.H)   # per row, kv head and head subgroup
         self.layer_counters = tickets(LAYER_GROUPS)   # the one-launch layer's group counters
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
+        on = config.experiments()
+        large = self.weights > ONE_LAUNCH_MAX_WEIGHTS and "layer_kernel_any_size" not in on
         self.one_launch_off = ("disabled" if "layer_kernel" in disabled else
                                f"{self.weights >> 20}M weights per layer > {ONE_LAUNCH_MAX_WEIGHTS >> 20}M: "
-                               "5 launches are faster" if self.weights > ONE_LAUNCH_MAX_WEIGHTS else None)
+                               "5 launches are faster" if large else None)
         self.one_launch = self.one_launch_off is None
+        self.prefetch = "layer_prefetch" in on
+        self.wait_load = "layer_wait_load" in on
+        # query heads per attention block: all G, or (experiment) at most 2, for fewer registers
+        G = self.H // self.HKV
+        self.gb = 2 if "attn_head_split" in on and G % 2 == 0 else G
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
     @staticmethod
@@ -611,7 +645,7 @@ class FastBlock:
                                       self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),))
         q = kern(inputs=self._head_inputs(x, off, kc, vc, after), output_shapes=[(B, L, self.H, self.D), (M, qkv.out_features)],
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
-        o = attention(q, kc, vc, off, self.scale, self.attn_tickets)
+        o = attention(q, kc, vc, off, self.scale, self.attn_tickets, self.gb)
         x2 = x.reshape(M, K)
         h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
         a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
@@ -619,18 +653,19 @@ class FastBlock:
         return out.reshape(B, L, K), o
 
     def core_one_launch(self, x, off, kc, vc, after):
-        """`core` as a single launch (experimental; see _layer_build): same arithmetic, same outputs."""
+        """`core` as a single launch (see _layer_build): same arithmetic, same outputs."""
         B, L, K = x.shape
         M = B * L
         qkv, o_w, gu, dn = self.qkv, self.o, self.gate_up, self.down
-        nsplit = attn_splits(kc.shape[2], M * self.HKV)
+        G = self.H // self.HKV
+        nsplit = attn_splits(kc.shape[2], M * self.HKV * G // self.gb)
         shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, o_w, gu, dn))
         kern, nblocks = _layer_build(x.dtype, M, shapes, self.in_norm[1], self.post_norm[1],
-                                     qkv.bias is not None, self.head + (("L", L),), nsplit, self.scale)
+                                     qkv.bias is not None, self.head + (("L", L),), nsplit, self.scale,
+                                     self.gb, self.prefetch, self.wait_load)
         inputs = self._head_inputs(x, off, kc, vc, after)
         inputs += [self.attn_tickets, o_w.weight, o_w.scales, o_w.biases, gu.weight, gu.scales, gu.biases,
                    self.post_norm[0], dn.weight, dn.scales, dn.biases, self.layer_counters]
-        G = self.H // self.HKV
         f32 = mx.float32
         out, _, _, o, _, _, _, _ = kern(
             inputs=inputs,
