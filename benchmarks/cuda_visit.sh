@@ -36,13 +36,15 @@ case "$mode" in
     timeout 150 python3 benchmarks/cuda_kernels.py --out benchmarks/results/cuda_kernels > "$OUT/kernels.log" 2>&1
     tail -25 "$OUT/kernels.log"; cp benchmarks/results/cuda_kernels.* "$OUT/" ;;
   layer)
-    timeout 150 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k "one_launch or tiny_model or causal" \
-      -p no:cacheprovider > "$OUT/test_layer.log" 2>&1; tail -n 5 "$OUT/test_layer.log"
-    MLX_FASTOPS_EXPERIMENTAL=layer_prefetch,layer_wait_load timeout 120 python3 benchmarks/cuda_trace.py \
+    timeout 150 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py \
+      -k "one_launch or tiny_model or causal or layer_groups or layers_in" -p no:cacheprovider > "$OUT/test_layer.log" 2>&1
+    tail -n 5 "$OUT/test_layer.log"
+    MLX_FASTOPS_EXPERIMENTAL=layer_groups,layer_prefetch,layer_wait_load timeout 120 python3 benchmarks/cuda_trace.py \
       --out "$OUT" > "$OUT/trace_layer.log" 2>&1
     grep "^wall\|^## " "$OUT/trace_layer.log"
     timeout 300 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,llama-3.2-1b,qwen3-4b --five-launch \
-      --experimental layer_prefetch --experimental layer_wait_load --experimental layer_prefetch,layer_wait_load \
+      --experimental layer_prefetch,layer_wait_load --experimental layer_groups \
+      --experimental layer_groups,layer_prefetch,layer_wait_load \
       --experimental layer_kernel_any_size,attn_head_split,layer_prefetch,layer_wait_load \
       --out "$OUT/bench_layer" > "$OUT/bench_layer.log" 2>&1
     tail -n 30 "$OUT/bench_layer.log" ;;

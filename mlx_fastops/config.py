@@ -37,6 +37,8 @@ EXPERIMENTS = {
                       "registers, its rows into L2) before it waits for the previous phase",
     "layer_wait_load": "CUDA one-launch layer: blocks poll the previous phase's counter with loads, "
                        "not atomic read-modify-writes that queue with that phase's arrivals",
+    "layer_groups": "CUDA compiled decode step: up to 4 consecutive one-launch layers share one launch "
+                    "(fewer kernel nodes per step)",
     "attn_head_split": "CUDA fast decode: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
     "layer_kernel_any_size": "CUDA: one launch per layer for every layer size (default: up to "

@@ -317,7 +317,7 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
                 out, o = fb.core(x, off, kc, vc, kc)
                 mx.eval(out, o)
                 results.setdefault(fb.gb, []).append((out, o, kc, vc))
-        assert not np.asarray(fb.layer_counters).any(), "counters not reset"
+        assert not np.asarray(fb.layer_counters(1)).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)
     for five, *one in results.values():
@@ -326,6 +326,75 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
         for variant in one:
             for a5, a1 in zip(five, variant):
                 assert mx.array_equal(a5, a1)
+
+
+@pytest.mark.parametrize("name,batch,L,prefetch", [("qwen3-tiny", 1, 1, False), ("llama-tiny", 2, 2, True),
+                                                   ("qwen2-tiny", 1, 1, True)])
+def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monkeypatch):
+    """Both layers of a tiny model in one launch (experiment layer_groups; the residual stream
+    between them in scratch outputs) compute exactly what one launch per layer computes."""
+    from mlx_fastops import synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
+    mlx_fastops.patch(model, disable=("compile",))
+    try:
+        fbs = [layer.fast_fn for layer in model.model.layers]
+        assert len(fbs) == 2 and fbs[0].launch_key() == fbs[1].launch_key()
+        for fb in fbs:
+            fb.prefetch = fb.wait_load = prefetch
+        P, D, HKV = 300, fbs[0].D, fbs[0].HKV
+        caches = [[mx.random.normal((batch, HKV, 512, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
+        x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
+        off = C.offset_array(P)
+        results = []
+        for together in (False, True):
+            bufs = [(kc + 0, vc + 0) for kc, vc in caches]
+            mx.eval(bufs)
+            if together:
+                out, o = C.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs])
+            else:
+                out = x
+                for fb, (kc, vc) in zip(fbs, bufs):
+                    out, o = fb.core(out, off, kc, vc, kc)
+            mx.eval(out, o)
+            results.append((out, o, bufs))
+        assert not np.asarray(fbs[0].layer_counters(2)).any(), "counters not reset"
+    finally:
+        mlx_fastops.unpatch(model)
+    (out1, o1, bufs1), (out2, o2, bufs2) = results
+    assert np.isfinite(np.asarray(out1.astype(mx.float32))).all()
+    assert mx.array_equal(out1, out2) and mx.array_equal(o1, o2)   # o: the last layer's attention
+    for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
+        assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
+
+
+def test_decode_step_with_layer_groups(monkeypatch):
+    """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with the
+    experiment layer_groups gives the same logits as with one launch per layer."""
+    from mlx_fastops import fidelity, synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    prompt = mx.random.randint(0, 4096, (20,), key=mx.random.key(5))
+    logits = []
+    mx.disable_compile()
+    try:
+        for groups in ("", "layer_groups"):
+            monkeypatch.setenv("MLX_FASTOPS_EXPERIMENTAL", groups)
+            model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=4)
+            report = mlx_fastops.patch(model)
+            assert any(e.fusion == "compile" and e.status == "fused" for e in report.entries)
+            runs = C.launch_runs(model.model._fastops_blocks)
+            assert runs == ([(0, 2)] if groups else [(0, 1), (1, 1)]), runs
+            logits.append(fidelity.forced_logits(model, prompt, [7, 99, 1234]))
+            assert "_fastops_off" in model.model.__dict__, "the decode step was not used"
+            mlx_fastops.unpatch(model)
+    finally:
+        mx.enable_compile()
+    assert np.isfinite(np.asarray(logits[0])).all()
+    assert mx.array_equal(logits[0], logits[1])
 
 
 @pytest.mark.parametrize("limit,disable,one_launch", [(1.0, (), True), (0.99, (), False),

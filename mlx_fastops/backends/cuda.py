@@ -343,6 +343,7 @@ __device__ __forceinline__ void layer_done(const int* ctr, int g) {
   if (threadIdx.x == 0) atomicAdd(const_cast<int*>(ctr) + g, 1);
 }
 __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
+  if (g < 0) return;   // the launch's first group
   if (threadIdx.x == 0) {
     int spins = 0;
 #if LAYER_WAIT_LOAD
@@ -364,7 +365,7 @@ __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 
 _PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "cnt": "const int32_t*", "ctr": "const int32_t*",
-           "rf": "const float*",
+           "rf": "const float*", "wait_g": "int", "wait_n": "int",
            "ys": "float*", "pm": "float*", "po": "float*"}
 
 
@@ -386,32 +387,32 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False):
-    """shapes: ((bits, gs, N, K) of qkv, o, gate_up, down). gb: the attention's query heads per
-    block. Experiments: prefetch (layer_prefetch): the GEMV phases after the first wait inside
-    gemv.cu (WAIT_INPUTS), once their weights are on the way, instead of before they start;
-    wait_load (layer_wait_load): waits poll with loads instead of atomics."""
+                 wait_load=False, nlayers=1):
+    """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
+    shapes) in one launch (experiment layer_groups). Returns (kernel, blocks, input names).
+
+    shapes: ((bits, gs, N, K) of qkv, o, gate_up, down). gb: the attention's query heads per
+    block. Experiments: prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu
+    (WAIT_INPUTS), once their weights are on the way, instead of before they start; wait_load
+    (layer_wait_load): waits poll with loads instead of atomics. Inputs of layer j carry the
+    suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the previous
+    layer's output from the scratch outputs r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
-    groups = []
+    sizes = []   # blocks per phase
     header = [f"#define LAYER_WAIT_LOAD {int(wait_load)}\n", _LAYER_HELPERS]
-
-    inner_wait = []   # groups that wait inside their phase (WAIT_INPUTS)
+    waits = ["ctr", "wait_g", "wait_n"] if prefetch else []   # the phase waits inside (WAIT_INPUTS)
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi)
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
-        ins = gemv_inputs(eps is not None, has_bias, res, hd)
-        g = len(groups)
-        if prefetch and g:
-            d["WAIT_INPUTS"] = f"layer_wait(ctr, {g - 1}, {groups[g - 1]})"
-            ins = ins + ["ctr"]
-            inner_wait.append(g)
-        header.append(_phase(name, "gemv.cu", d, dtype, ins, gemv_outputs(epi), shaped=("w",),
-                             strided=("kc", "vc")))
-        groups.append(gemv_blocks(N, epi, R, nw))
+        if prefetch:
+            d["WAIT_INPUTS"] = "layer_wait(ctr, wait_g, wait_n)"
+        header.append(_phase(name, "gemv.cu", d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + waits,
+                             gemv_outputs(epi), shaped=("w",), strided=("kc", "vc")))
+        sizes.append(gemv_blocks(N, epi, R, nw))
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
@@ -420,21 +421,38 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
               BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit)
     header.append(_phase("layer_attn", "attention.cu", ad, dtype, ["q", "kc", "vc", "off", "cnt"],
                          ["o", "pm", "po"], strided=("kc", "vc")))
-    groups.append(nsplit * ys * M)
+    sizes.append(nsplit * ys * M)
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
     gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
-    qkv_in = ["x", "qkv_w", "qkv_w_shape", "qkv_sc", "qkv_bi", "in_nw"] + (["qkv_bias"] if bias else [])
-    qkv_in += (["qn", "kn"] if head["qknorm"] else []) + ["off"] + (["rf"] if head["freqs"] else [])
-    qkv_in += ["kc", "kc_strides", "vc", "vc_strides", "head_cnt", "after"]
-    ctr = ", ctr" if prefetch else ""
-    calls = [f"layer_qkv(blk, {', '.join(qkv_in)}, yq, ys)",
-             "layer_attn(blk, yq, kc, kc_strides, vc, vc_strides, off, attn_cnt, o, pm, po)",
-             f"layer_o(blk, o, o_w, o_w_shape, o_sc, o_bi, x{ctr}, h)",
-             f"layer_gate_up(blk, h, gu_w, gu_w_shape, gu_sc, gu_bi, post_nw{ctr}, a)",
-             f"layer_down(blk, a, dn_w, dn_w_shape, dn_sc, dn_bi, h{ctr}, out)"]
-    assert len(groups) == len(calls) == LAYER_GROUPS
-    wait = lambda g: "" if g == 0 or g in inner_wait else f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n  "
+    assert len(sizes) == LAYER_GROUPS
+    groups = sizes * nlayers   # group g = LAYER_GROUPS * layer + phase, each waiting for g - 1
+
+    def layer_calls(j):
+        x = "x" if j == 0 else f"r{(j - 1) % 2}"
+        out = "out" if j == nlayers - 1 else f"r{j % 2}"
+        w = lambda p: f", ctr, {LAYER_GROUPS * j + p - 1}, {groups[LAYER_GROUPS * j + p - 1]}" if prefetch else ""
+        qkv = [x, f"qkv_w{j}", f"qkv_w{j}_shape", f"qkv_sc{j}", f"qkv_bi{j}", f"in_nw{j}"]
+        qkv += ([f"qkv_bias{j}"] if bias else []) + ([f"qn{j}", f"kn{j}"] if head["qknorm"] else []) + ["off"]
+        qkv += ([f"rf{j}"] if head["freqs"] else []) + [f"kc{j}", f"kc{j}_strides", f"vc{j}", f"vc{j}_strides",
+                                                        "head_cnt", f"after{j}"]
+        first = f", ctr, -1, 0" if prefetch and j == 0 else w(0)
+        return [f"layer_qkv(blk, {', '.join(qkv)}{first}, yq, ys)",
+                f"layer_attn(blk, yq, kc{j}, kc{j}_strides, vc{j}, vc{j}_strides, off, attn_cnt, o, pm, po)",
+                f"layer_o(blk, o, o_w{j}, o_w{j}_shape, o_sc{j}, o_bi{j}, {x}{w(2)}, h)",
+                f"layer_gate_up(blk, h, gu_w{j}, gu_w{j}_shape, gu_sc{j}, gu_bi{j}, post_nw{j}{w(3)}, a)",
+                f"layer_down(blk, a, dn_w{j}, dn_w{j}_shape, dn_sc{j}, dn_bi{j}, h{w(4)}, {out})"], qkv
+
+    calls, inputs = [], ["x", "off", "head_cnt", "attn_cnt", "ctr"]
+    for j in range(nlayers):
+        c, qkv = layer_calls(j)
+        calls += c
+        inputs += [n for n in qkv[1:] if n not in inputs and not n.endswith(("_shape", "_strides"))]
+        inputs += [f"{n}{j}" for n in ("o_w", "o_sc", "o_bi", "gu_w", "gu_sc", "gu_bi", "post_nw", "dn_w", "dn_sc",
+                                       "dn_bi")]
+    # a gemv phase waits inside (prefetch) or here; attention always here; group 0 never
+    inside = lambda g: prefetch and g % LAYER_GROUPS != 1
+    wait = lambda g: "" if g == 0 or inside(g) else f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n    "
     body = "  int blk = blockIdx.x;\n"
     for g, (n, call) in enumerate(zip(groups[:-1], calls[:-1])):
         body += f"""  if (blk < {n}) {{
@@ -444,25 +462,23 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
   }}
   blk -= {n};
 """
-    last = LAYER_GROUPS - 1
+    last = len(groups) - 1
     body += f"""  {wait(last)}{calls[last]};
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
     int* c = const_cast<int*>(ctr);
     if (atomicAdd(c + {last}, 1) == {groups[last]} - 1) {{
-      for (int i = 0; i < {LAYER_GROUPS}; ++i) c[i] = 0;
+      for (int i = 0; i < {len(groups)}; ++i) c[i] = 0;
     }}
   }}
 """
-    inputs = [i for i in qkv_in if not i.endswith(("_shape", "_strides"))]
-    inputs += ["attn_cnt", "o_w", "o_sc", "o_bi", "gu_w", "gu_sc", "gu_bi", "post_nw", "dn_w", "dn_sc", "dn_bi", "ctr"]
     # MLX puts the header before its `namespace mlx::core::cu {` (where Shape and Strides live)
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
-    kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs,
-                       output_names=["out", "yq", "ys", "o", "pm", "po", "h", "a"],
+    outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
+    kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs, output_names=outputs,
                        header=header, source=body, ensure_row_contiguous=False)
-    return kern, sum(groups)
+    return kern, sum(groups), inputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,7 +589,7 @@ class FastBlock:
         # and head subgroup)
         self.head_tickets = tickets(self.H + 2 * self.HKV)
         self.attn_tickets = tickets(MAX_ROWS * self.H)   # per row, kv head and head subgroup
-        self.layer_counters = tickets(LAYER_GROUPS)   # the one-launch layer's group counters
+        self._counters = {}   # layer launches' group counters, per layers per launch
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
         on = config.experiments()
         large = self.weights > ONE_LAUNCH_MAX_WEIGHTS and "layer_kernel_any_size" not in on
@@ -625,13 +641,6 @@ class FastBlock:
         M = B * L
         return M <= MAX_ROWS and x.dtype == self.dtype
 
-    def _head_inputs(self, x, off, kc, vc, after):
-        """Inputs of the head kernel (gemv_inputs order for EPI 3); the layer launch starts the same."""
-        qkv = self.qkv
-        bias = [qkv.bias] if qkv.bias is not None else []
-        return [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0], *bias, *self.qk, off, *self.rf,
-                kc, vc, self.head_tickets, after]
-
     def core(self, x, off, kc, vc, after):
         """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]) -> (block
         output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
@@ -643,7 +652,10 @@ class FastBlock:
         qkv = self.qkv
         kern, grid, tg = _gemv_kernel(x.dtype, M, K, qkv.out_features, qkv.bits, qkv.group_size, 3,
                                       self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),))
-        q = kern(inputs=self._head_inputs(x, off, kc, vc, after), output_shapes=[(B, L, self.H, self.D), (M, qkv.out_features)],
+        bias = [qkv.bias] if qkv.bias is not None else []
+        head_inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0], *bias, *self.qk, off, *self.rf,
+                       kc, vc, self.head_tickets, after]   # gemv_inputs order for EPI 3
+        q = kern(inputs=head_inputs, output_shapes=[(B, L, self.H, self.D), (M, qkv.out_features)],
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
         o = attention(q, kc, vc, off, self.scale, self.attn_tickets, self.gb)
         x2 = x.reshape(M, K)
@@ -654,27 +666,36 @@ class FastBlock:
 
     def core_one_launch(self, x, off, kc, vc, after):
         """`core` as a single launch (see _layer_build): same arithmetic, same outputs."""
-        B, L, K = x.shape
-        M = B * L
-        qkv, o_w, gu, dn = self.qkv, self.o, self.gate_up, self.down
-        G = self.H // self.HKV
-        nsplit = attn_splits(kc.shape[2], M * self.HKV * G // self.gb)
-        shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, o_w, gu, dn))
-        kern, nblocks = _layer_build(x.dtype, M, shapes, self.in_norm[1], self.post_norm[1],
-                                     qkv.bias is not None, self.head + (("L", L),), nsplit, self.scale,
-                                     self.gb, self.prefetch, self.wait_load)
-        inputs = self._head_inputs(x, off, kc, vc, after)
-        inputs += [self.attn_tickets, o_w.weight, o_w.scales, o_w.biases, gu.weight, gu.scales, gu.biases,
-                   self.post_norm[0], dn.weight, dn.scales, dn.biases, self.layer_counters]
-        f32 = mx.float32
-        out, _, _, o, _, _, _, _ = kern(
-            inputs=inputs,
-            output_shapes=[(B, L, K), (B, L, self.H, self.D), (M, qkv.out_features), (B, L, self.H, self.D),
-                           (M * self.HKV, nsplit, G, 2), (M * self.HKV, nsplit, G, self.D), (M, K),
-                           (M, gu.out_features // 2)],
-            output_dtypes=[x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype],
-            grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))
-        return out, o
+        return layers_launch([self], x, off, [(kc, vc, after)])
+
+    def layer_counters(self, nlayers):
+        """Zeroed group counters of a launch of nlayers layers led by this block (left zero)."""
+        c = self._counters.get(nlayers)
+        if c is None:
+            c = self._counters[nlayers] = tickets(LAYER_GROUPS * nlayers)
+        return c
+
+    def layer_arrays(self, j, kc, vc, after):
+        """This block's inputs of a layer launch, as layer j (names of _layer_build)."""
+        qkv, o, gu, dn = self.qkv, self.o, self.gate_up, self.down
+        a = {"qkv_w": qkv.weight, "qkv_sc": qkv.scales, "qkv_bi": qkv.biases, "in_nw": self.in_norm[0],
+             "kc": kc, "vc": vc, "after": after, "o_w": o.weight, "o_sc": o.scales, "o_bi": o.biases,
+             "gu_w": gu.weight, "gu_sc": gu.scales, "gu_bi": gu.biases, "post_nw": self.post_norm[0],
+             "dn_w": dn.weight, "dn_sc": dn.scales, "dn_bi": dn.biases}
+        if qkv.bias is not None:
+            a["qkv_bias"] = qkv.bias
+        if self.qknorm:
+            a["qn"], a["kn"] = self.qk
+        if self.rf:
+            a["rf"] = self.rf[0]
+        return {f"{k}{j}": v for k, v in a.items()}
+
+    def launch_key(self):
+        """What must agree for blocks to share a launch (everything but the weights and caches)."""
+        ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
+                   for w in (self.qkv, self.o, self.gate_up, self.down))
+        return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
+                self.prefetch, self.wait_load)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -688,6 +709,34 @@ class FastBlock:
 
 
 FastBlock.cache_type = StaticKVCache
+
+
+def layers_launch(blocks, x, off, bufs):
+    """Consecutive decoder layers (FastBlocks with one launch_key) in one launch: x [B, L, K] ->
+    (output of the last, the attention scratch output: the new last reader of every layer's
+    cache). bufs: (kc, vc, after) per block."""
+    fb = blocks[0]
+    B, L, K = x.shape
+    M = B * L
+    qkv, gu = fb.qkv, fb.gate_up
+    G = fb.H // fb.HKV
+    nsplit = attn_splits(bufs[0][0].shape[2], M * fb.HKV * G // fb.gb)
+    shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
+    kern, nblocks, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
+                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
+                                        len(blocks))
+    arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
+              "ctr": fb.layer_counters(len(blocks))}
+    for j, (b, (kc, vc, after)) in enumerate(zip(blocks, bufs)):
+        arrays.update(b.layer_arrays(j, kc, vc, after))
+    f32 = mx.float32
+    shapes_out = [(B, L, K), (B, L, fb.H, fb.D), (M, qkv.out_features), (B, L, fb.H, fb.D),
+                  (M * fb.HKV, nsplit, G, 2), (M * fb.HKV, nsplit, G, fb.D), (M, K), (M, gu.out_features // 2)]
+    dtypes_out = [x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype]
+    extra = min(len(blocks) - 1, 2)   # r0, r1: the residual stream between the layers
+    outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out + [(M, K)] * extra,
+                output_dtypes=dtypes_out + [x.dtype] * extra, grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))
+    return outs[0], outs[3]
 
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: let it find ours, so a
 # prompt cache saved from a patched model (mlx_lm.cache_prompt, save_prompt_cache) loads again.
@@ -745,6 +794,24 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
 _INNER_CLASSES = {}
 
 
+LAYERS_PER_LAUNCH = 4   # experiment layer_groups
+
+
+def launch_runs(fasts):
+    """[(first block, blocks)] in order: with the experiment layer_groups, up to LAYERS_PER_LAUNCH
+    consecutive one-launch blocks of one launch_key share a launch; otherwise one block each."""
+    runs, i = [], 0
+    while i < len(fasts):
+        n = 1
+        if "layer_groups" in config.experiments() and fasts[i].one_launch:
+            while (n < LAYERS_PER_LAUNCH and i + n < len(fasts) and fasts[i + n].one_launch
+                   and fasts[i + n].launch_key() == fasts[i].launch_key()):
+                n += 1
+        runs.append((i, n))
+        i += n
+    return runs
+
+
 def fast_model(model, blocks):
     """Swap model.model's class for one whose decode step is one mx.compile'd function
     (embedding, every FastBlock, final norm). Returns ((obj, stock class, fast class), None) or
@@ -760,14 +827,19 @@ def fast_model(model, blocks):
     embed, norm = inner.embed_tokens, inner.norm
     dtype = fasts[0].dtype
 
+    runs = launch_runs(fasts)
+
     def step(tokens, off, *bufs):
         h = embed(tokens)
         if h.dtype != dtype:
             h = h.astype(dtype)
         readers = []
-        for i, fb in enumerate(fasts):
-            h, o = fb.core(h, off, *bufs[3 * i:3 * i + 3])
-            readers.append(o)
+        for i, n in runs:
+            if n == 1:
+                h, o = fasts[i].core(h, off, *bufs[3 * i:3 * i + 3])
+            else:
+                h, o = layers_launch(fasts[i:i + n], h, off, [bufs[3 * k:3 * k + 3] for k in range(i, i + n)])
+            readers += [o] * n
         return [norm(h), off + tokens.shape[1], *readers]
 
     # An embedding in another dtype would make stock and fused paths differ: require a match.
