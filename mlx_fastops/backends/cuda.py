@@ -431,13 +431,15 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     def layer_calls(j):
         x = "x" if j == 0 else f"r{(j - 1) % 2}"
         out = "out" if j == nlayers - 1 else f"r{j % 2}"
-        w = lambda p: f", ctr, {LAYER_GROUPS * j + p - 1}, {groups[LAYER_GROUPS * j + p - 1]}" if prefetch else ""
+        def w(p):   # WAIT_INPUTS' arguments: the group before this phase (none before the first)
+            g = LAYER_GROUPS * j + p - 1
+            return f", ctr, {g}, {groups[g] if g >= 0 else 0}" if prefetch else ""
+
         qkv = [x, f"qkv_w{j}", f"qkv_w{j}_shape", f"qkv_sc{j}", f"qkv_bi{j}", f"in_nw{j}"]
         qkv += ([f"qkv_bias{j}"] if bias else []) + ([f"qn{j}", f"kn{j}"] if head["qknorm"] else []) + ["off"]
         qkv += ([f"rf{j}"] if head["freqs"] else []) + [f"kc{j}", f"kc{j}_strides", f"vc{j}", f"vc{j}_strides",
                                                         "head_cnt", f"after{j}"]
-        first = f", ctr, -1, 0" if prefetch and j == 0 else w(0)
-        return [f"layer_qkv(blk, {', '.join(qkv)}{first}, yq, ys)",
+        return [f"layer_qkv(blk, {', '.join(qkv)}{w(0)}, yq, ys)",
                 f"layer_attn(blk, yq, kc{j}, kc{j}_strides, vc{j}, vc{j}_strides, off, attn_cnt, o, pm, po)",
                 f"layer_o(blk, o, o_w{j}, o_w{j}_shape, o_sc{j}, o_bi{j}, {x}{w(2)}, h)",
                 f"layer_gate_up(blk, h, gu_w{j}, gu_w{j}_shape, gu_sc{j}, gu_bi{j}, post_nw{j}{w(3)}, a)",
