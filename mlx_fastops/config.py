@@ -39,6 +39,8 @@ EXPERIMENTS = {
                        "not atomic read-modify-writes that queue with that phase's arrivals",
     "layer_groups": "CUDA compiled decode step: up to 4 consecutive one-launch layers share one launch "
                     "(fewer kernel nodes per step)",
+    "gemv_dp4a": "CUDA: GEMVs of one activation row and 4-bit weights (fast decode blocks, lm_head) "
+                 "quantise x to int8 per 32 k once per block and use dp4a products",
     "attn_head_split": "CUDA fast decode: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
     "layer_kernel_any_size": "CUDA: one launch per layer for every layer size (default: up to "

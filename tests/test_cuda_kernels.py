@@ -120,6 +120,36 @@ def test_gemv_epilogues(dtype, bits, gs, M):
         assert a.shape == (M, 1, b.shape[-1]) and rel(a, b.reshape(M, 1, -1)) < 1e-2
 
 
+# (dtype, gs, M, K, N, epi): the int8-activation variant (experiment gemv_dp4a) covers M == 1, 4-bit
+DP4A_CASES = [("bfloat16", 64, 1, 1024, 4096, 0), ("float16", 32, 1, 192, 320, 0), ("bfloat16", 128, 1, 2048, 1000, 1),
+              ("bfloat16", 64, 1, 1024, 704, 2), ("float16", 64, 1, 9728, 136, 1), ("bfloat16", 64, 2, 1024, 512, 0)]
+
+
+@pytest.mark.parametrize("dtype,gs,M,K,N,epi", DP4A_CASES)
+def test_gemv_dp4a(dtype, gs, M, K, N, epi):
+    """x in int8 (one scale per 32 k) against the float32 oracle of the exact x; where the variant
+    does not apply (M > 1) the float path runs, bit for bit."""
+    dt = getattr(mx, dtype)
+    x = (3 * mx.random.normal((M, K))).astype(dt)
+    w = packed(2 * N if epi == 2 else N, K, 4, gs, dt, splits=(N, N) if epi == 2 else None)
+    kw = {}
+    if epi == 1:
+        kw["res"] = mx.random.normal((M, N)).astype(dt)
+    if epi == 2:
+        kw["norm"] = ((1 + 0.1 * mx.random.normal((K,))).astype(dt), 1e-6)
+    y8 = C.gemv(x, w, epi=epi, dp4a=True, **kw)
+    y = C.gemv(x, w, epi=epi, **kw)
+    xin = mx.fast.rms_norm(x, *kw["norm"]) if epi == 2 else x
+    ref = xin.astype(mx.float32) @ dense(w).T
+    if epi == 1:
+        ref = ref + kw["res"].astype(mx.float32)
+    if epi == 2:
+        g, u = mx.split(ref, 2, axis=-1)
+        ref = nn.silu(g) * u
+    assert rel(y8, ref) < 1.5e-2
+    assert mx.array_equal(y8, y) == (M > 1), "dp4a variant engaged only for one row"
+
+
 def test_rows_beyond_8_use_reference():
     w = packed(256, 512, 4, 64, mx.bfloat16)
     x = mx.random.normal((1, 9, 512)).astype(mx.bfloat16)
@@ -250,8 +280,9 @@ def test_attention_multi_token_causal(L, G, gb, off):
             assert rel(o[:, :, h], ref[:, :, h]) < 1e-2, h
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "llama-tiny", "qwen2-tiny"])
-def test_fast_decode_path_tiny_model(name, monkeypatch):
+@pytest.mark.parametrize("name,experiments", [("qwen3-tiny", ""), ("llama-tiny", ""), ("qwen2-tiny", ""),
+                                              ("qwen3-tiny", "gemv_dp4a")])
+def test_fast_decode_path_tiny_model(name, experiments, monkeypatch):
     """The whole fused decode block (5 launches, the StaticKVCache written in place, tickets, the
     previous reader as an input) on tiny bf16 models, without mx.compile (the emulator runs
     outside MLX's graph), after a prompt that crosses 256. Teacher-forced along tokens stock picks
@@ -262,6 +293,7 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    monkeypatch.setenv("MLX_FASTOPS_EXPERIMENTAL", experiments)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=1)
     prompt = mx.random.randint(0, model.args.vocab_size, (300,), key=mx.random.key(4))
     first = fidelity.forced_logits(model, prompt, [0] * 12)
@@ -276,6 +308,7 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
     finally:
         mlx_fastops.unpatch(model)
     fused = fidelity.against(got, oracle)
+    print(f"{name} {experiments or 'default'} vs float32: stock {stock}, patched {fused}")
     assert np.isfinite(np.asarray(got)).all()
     assert fused["mean_abs"] <= 1.1 * stock["mean_abs"], (fused, stock)
     o = np.asarray(oracle)
@@ -292,7 +325,8 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
     phases wait inside, after sending their weights on) and layer_wait_load (waits poll with
     loads), computes exactly what the 5-launch path
     (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache rows, bit for bit.
-    Where G allows, again with attention blocks of 2 query heads (experiment attn_head_split)."""
+    Where G allows, again with attention blocks of 2 query heads (experiment attn_head_split), and
+    for one activation row with int8-activation GEMVs (experiment gemv_dp4a)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -308,15 +342,16 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
         x = mx.random.normal((batch, L, a.hidden_size)).astype(mx.bfloat16)   # L new tokens each
         off = C.offset_array(P)
         G = fb.H // fb.HKV
+        configs = {(G, False), (2 if G % 2 == 0 else G, False), (G, batch * L == 1)}   # (gb, dp4a)
         results = {}
-        for fb.gb in sorted({G, 2 if G % 2 == 0 else G}):
+        for fb.gb, fb.dp4a in sorted(configs):
             for fb.one_launch, fb.prefetch, fb.wait_load in ((False, False, False), (True, False, False),
                                                              (True, True, False), (True, False, True)):
                 kc, vc = k0 + 0, v0 + 0
                 mx.eval(kc, vc)
                 out, o = fb.core(x, off, kc, vc, kc)
                 mx.eval(out, o)
-                results.setdefault(fb.gb, []).append((out, o, kc, vc))
+                results.setdefault((fb.gb, fb.dp4a), []).append((out, o, kc, vc))
         assert not np.asarray(fb.layer_counters(1)).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)

@@ -92,10 +92,14 @@ def _flt(v):
     return f"{float(v)!r}f"
 
 
-def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None):
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, dp4a_k=None):
     """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
-    eps: the folded input RMSNorm's epsilon (None: no norm)."""
-    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=eps is not None, HAS_BIAS=bias)
+    eps: the folded input RMSNorm's epsilon (None: no norm). dp4a_k: K, for the int8-activation
+    variant (experiment gemv_dp4a; see dp4a_applies), else None."""
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=eps is not None, HAS_BIAS=bias,
+             USE_DP4A=dp4a_k is not None)
+    if dp4a_k is not None:
+        d["DP4A_K"] = dp4a_k
     if eps is not None:
         d["EPS"] = _flt(eps)
     if head is not None:
@@ -103,6 +107,12 @@ def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head
                  QEPS=_flt(head["qeps"]), KEPS=_flt(head["keps"]), ROPE_TRAD=head["trad"],
                  ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=_flt(head["log2_base"]), ROPE_SCALE=_flt(head["scale"]))
     return d
+
+
+def dp4a_applies(M, bits, vec):
+    """The int8-activation (dp4a) GEMV variant covers one activation row of 4-bit weights with 32 k
+    per lane (VEC 4); other calls keep the float path."""
+    return M == 1 and bits == 4 and vec == 4
 
 
 def gemv_outputs(epi):
@@ -116,28 +126,31 @@ def gemv_blocks(N, epi, R, nw):
 
 
 @cached_builder
-def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw):
+def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, dp4a_k=None):
     head = dict(head_items) if head_items else None
-    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head), dtype)
+    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head, dp4a_k), dtype)
     return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
                        output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3))
 
 
-def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items):
-    """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None."""
+def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items, dp4a=False):
+    """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None;
+    dp4a: the int8-activation variant where it applies."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
-    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW)
+    dp4a_k = K if dp4a and dp4a_applies(M, bits, VEC) else None
+    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, dp4a_k)
     return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
-def gemv(x2d, w, epi=0, norm=None, res=None):
-    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm."""
+def gemv(x2d, w, epi=0, norm=None, res=None, dp4a=False):
+    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm;
+    dp4a: int8 activations (experiment gemv_dp4a) where dp4a_applies."""
     M, K = x2d.shape
     N = w.out_features
     dtype = x2d.dtype
     bias = w.bias is not None and epi == 0
     kern, grid, tg = _gemv_kernel(dtype, M, K, N, w.bits, w.group_size, epi,
-                                  None if norm is None else float(norm[1]), bias, res is not None, None)
+                                  None if norm is None else float(norm[1]), bias, res is not None, None, dp4a)
     inputs = [x2d, w.weight, w.scales, w.biases]
     if norm is not None:
         inputs.append(norm[0])
@@ -211,7 +224,8 @@ def lm_head(x, w):
     M = _rows(x)
     if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
         return _ref().lm_head(x, w)
-    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
+    dp4a = "gemv_dp4a" in config.experiments()   # read per call: this op has no patch-time state
+    return gemv(x.reshape(M, -1), w, dp4a=dp4a).reshape(*x.shape[:-1], w.out_features)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,14 +401,15 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1):
+                 wait_load=False, nlayers=1, dp4a=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (experiment layer_groups). Returns (kernel, blocks, input names).
 
     shapes: ((bits, gs, N, K) of qkv, o, gate_up, down). gb: the attention's query heads per
     block. Experiments: prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu
     (WAIT_INPUTS), once their weights are on the way, instead of before they start; wait_load
-    (layer_wait_load): waits poll with loads instead of atomics. Inputs of layer j carry the
+    (layer_wait_load): waits poll with loads instead of atomics; dp4a (gemv_dp4a): int8-activation
+    GEMVs where they apply. Inputs of layer j carry the
     suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the previous
     layer's output from the scratch outputs r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -406,7 +421,8 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi)
-        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
+        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd,
+                         K if dp4a and dp4a_applies(M, bits, vec) else None)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         if prefetch:
             d["WAIT_INPUTS"] = "layer_wait(ctr, wait_g, wait_n)"
@@ -601,6 +617,7 @@ class FastBlock:
         self.one_launch = self.one_launch_off is None
         self.prefetch = "layer_prefetch" in on
         self.wait_load = "layer_wait_load" in on
+        self.dp4a = "gemv_dp4a" in on
         # query heads per attention block: all G, or (experiment) at most 2, for fewer registers
         G = self.H // self.HKV
         self.gb = 2 if "attn_head_split" in on and G % 2 == 0 else G
@@ -653,7 +670,8 @@ class FastBlock:
         M = B * L
         qkv = self.qkv
         kern, grid, tg = _gemv_kernel(x.dtype, M, K, qkv.out_features, qkv.bits, qkv.group_size, 3,
-                                      self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),))
+                                      self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),),
+                                      self.dp4a)
         bias = [qkv.bias] if qkv.bias is not None else []
         head_inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0], *bias, *self.qk, off, *self.rf,
                        kc, vc, self.head_tickets, after]   # gemv_inputs order for EPI 3
@@ -661,9 +679,9 @@ class FastBlock:
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
         o = attention(q, kc, vc, off, self.scale, self.attn_tickets, self.gb)
         x2 = x.reshape(M, K)
-        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
-        a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
-        out = gemv(a, self.down, epi=1, res=h)
+        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2, dp4a=self.dp4a)
+        a = gemv(h, self.gate_up, epi=2, norm=self.post_norm, dp4a=self.dp4a)
+        out = gemv(a, self.down, epi=1, res=h, dp4a=self.dp4a)
         return out.reshape(B, L, K), o
 
     def core_one_launch(self, x, off, kc, vc, after):
@@ -697,7 +715,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load)
+                self.prefetch, self.wait_load, self.dp4a)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -726,7 +744,7 @@ def layers_launch(blocks, x, off, bufs):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, nblocks, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                         fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                        len(blocks))
+                                        len(blocks), fb.dp4a)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
     for j, (b, (kc, vc, after)) in enumerate(zip(blocks, bufs)):
