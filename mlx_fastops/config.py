@@ -2,7 +2,8 @@
 
 MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FUSIONS)
 MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
-MLX_FASTOPS_EXPERIMENTAL  comma-separated names of EXPERIMENTS to switch on (read at patch time)
+MLX_FASTOPS_EXPERIMENTAL  comma-separated names of EXPERIMENTS to switch on (read at patch time;
+                      the lm_head op reads gemv_dp4a per call)
 """
 
 import contextlib
@@ -20,8 +21,9 @@ FUSIONS = {
     "residual_norm": "residual add + post-attention RMSNorm in one op",
     "lm_head": "the (tied or untied) output projection",
     "attention": "decode attention and prefill attention ops",
-    "fast_decode": "CUDA: whole decoder block in 5 launches (norm+QKV+qk-norm+RoPE+cache write, "
-                   "attention, o_proj+residual, norm+gate/up+SiLU, down+residual) with a static KV cache",
+    "fast_decode": "CUDA: whole decoder block in one launch (layer_kernel) or 5 (norm+QKV+qk-norm+RoPE+"
+                   "cache write, attention, o_proj+residual, norm+gate/up+SiLU, down+residual) with a "
+                   "static KV cache",
     "layer_kernel": "CUDA: each fast_decode block as one launch (its 5 kernels as 5 block groups, "
                     "each waiting for the previous); off: 5 launches",
     "compile": "CUDA: mx.compile of the whole decode step (fast_decode blocks)",

@@ -409,9 +409,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     block. Experiments: prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu
     (WAIT_INPUTS), once their weights are on the way, instead of before they start; wait_load
     (layer_wait_load): waits poll with loads instead of atomics; dp4a (gemv_dp4a): int8-activation
-    GEMVs where they apply. Inputs of layer j carry the
-    suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the previous
-    layer's output from the scratch outputs r0/r1 (alternating), the last layer writes `out`."""
+    GEMVs where they apply. Inputs of layer j carry the suffix j (x, off, the tickets and the
+    counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
+    r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -570,9 +570,10 @@ def _as_packed(m):
 
 
 # One launch per layer wins where a decode step is bound by MLX's cost per kernel node (Qwen3-0.6B,
-# 16M weights per layer: 1.2x the 5 launches), ties at Llama-3.2-1B (60M) and loses on larger layers
-# (Qwen3-4B 101M, 8B 189M: 0.8x; the one kernel takes the register count of its largest phase, so
-# fewer blocks of the big GEMVs are in flight). benchmarks/results/cuda_bench_layer_kernel.md.
+# 15M weights per layer (M = 2^20): 1.2x the 5 launches), ties at Llama-3.2-1B (58M) and loses on
+# larger layers (Qwen3-4B 96M, 8B 184M: 0.8x; the one kernel takes the register count of its
+# hungriest phase, so fewer blocks of the big GEMVs are in flight).
+# benchmarks/results/cuda_bench_layer_kernel.md.
 ONE_LAUNCH_MAX_WEIGHTS = 64 << 20
 
 
