@@ -8,6 +8,7 @@ MLX_FASTOPS_EXPERIMENTAL  comma-separated names of EXPERIMENTS to switch on (rea
 
 import contextlib
 import contextvars
+import functools
 import os
 
 import mlx.core as mx
@@ -52,15 +53,16 @@ EXPERIMENTS = {
 BACKENDS = ("auto", "reference", "metal", "cuda")
 
 
-def parse_names(names, source):
-    """Split and validate fusion names; raises ValueError naming the bad ones."""
+def parse_names(names, source, valid=FUSIONS, kind="fusion"):
+    """Split and validate names (fusions, or another table of `valid` ones); raises ValueError
+    naming the bad ones."""
     if isinstance(names, str):
         names = [n for n in names.replace(" ", "").split(",") if n]
     names = set(names)
-    unknown = sorted(names - FUSIONS.keys())
+    unknown = sorted(names - valid.keys())
     if unknown:
         raise ValueError(
-            f"{source}: unknown fusion name(s) {unknown}; valid names are {sorted(FUSIONS)}"
+            f"{source}: unknown {kind} name(s) {unknown}; valid names are {sorted(valid)}"
         )
     return names
 
@@ -76,11 +78,13 @@ def disabled(extra=()):
 
 def experiments():
     """The EXPERIMENTS switched on by MLX_FASTOPS_EXPERIMENTAL; raises ValueError naming bad names."""
-    on = {n for n in os.environ.get("MLX_FASTOPS_EXPERIMENTAL", "").replace(" ", "").split(",") if n}
-    unknown = sorted(on - EXPERIMENTS.keys())
-    if unknown:
-        raise ValueError(f"MLX_FASTOPS_EXPERIMENTAL: unknown name(s) {unknown}; valid names are {sorted(EXPERIMENTS)}")
-    return on
+    return _experiments(os.environ.get("MLX_FASTOPS_EXPERIMENTAL", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _experiments(value):
+    # parsed once per value: the lm_head op asks on every decode step
+    return frozenset(parse_names(value, "MLX_FASTOPS_EXPERIMENTAL", EXPERIMENTS, "experiment"))
 
 
 @contextlib.contextmanager

@@ -231,7 +231,7 @@ def patch(model, disable=()):
         return state["report"]
     recipe = _family(model)
     disabled = config.disabled(disable)
-    experiments = frozenset(config.experiments())   # bad names fail here, whatever the backend
+    experiments = config.experiments()   # bad names fail here, whatever the backend
     backend = config.backend_name()
     key = (backend, frozenset(disabled), experiments)
     parked = model.__dict__.pop(_PARKED, None)

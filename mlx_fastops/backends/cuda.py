@@ -6,13 +6,15 @@ Ops (same signatures as backends/reference.py):
   decode_attention                  GQA decode attention over the full cache buffers (attention.cu)
 Ops without a CUDA kernel (rms_norm_residual, qk_norm_rope, flash_attention) use the reference.
 
-Fast decode path (`fast_block`): a whole decoder block in 5 launches when the layer's cache is a
-`StaticKVCache` and B*L <= 8:
+Fast decode path (`fast_block`): a whole decoder block in one launch (layers of up to
+ONE_LAUNCH_MAX_WEIGHTS; the 5 kernels below as 5 block groups, each waiting for the previous) or
+in 5 launches, when the layer's cache is a `StaticKVCache` and B*L <= 8:
   1. input RMSNorm + QKV GEMV + q/k RMSNorm + RoPE + k/v written into the cache in place
   2. attention over the cache buffers (split over the sequence, merged in the same launch)
   3. o_proj GEMV + residual add
   4. post-attention RMSNorm + gate/up GEMV + SiLU*up
   5. down GEMV + residual add
+Variants not yet measured on a GPU are switched on by config.EXPERIMENTS.
 Kernel objects are built lazily, once per (kernel, static shape class); model constants (norm
 eps, RoPE base) are #defines; per-step values (the cache offset) are int32 arrays of 16 bytes; the
 cache buffers are read and written through their strides. Without a GPU the same wrappers run
@@ -244,6 +246,13 @@ def attn_splits(S, rows):
     return max(1, min(want, ATTN_MAX_SPLITS, -(-S // ATTN_MINCH)))
 
 
+def attn_partials(rows, S, G, gb, D):
+    """(splits, shapes of the partials pm and po) of an attention launch over `rows` (b, l, kv head)
+    triples, each split further into G / gb head subgroups, over cache buffers of S slots."""
+    nsplit = attn_splits(S, rows * G // gb)
+    return nsplit, [(rows, nsplit, G, 2), (rows, nsplit, G, D)]
+
+
 def attn_defines(L, H, HKV, D, scale, gb=None):
     """gb: query heads per block (a divisor of G = H / HKV; default G)."""
     G = H // HKV
@@ -281,9 +290,8 @@ def attention(q, kc, vc, off, scale, cnt=None, gb=None):
         # (a tiny fill kernel that the attention waits for).
         cnt = mx.zeros((max(rows * G // gb, 4),), dtype=mx.int32)
     kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale), gb)
-    nsplit = attn_splits(S, rows * G // gb)
-    o, _, _ = kern(inputs=[q, kc, vc, off, cnt],
-                   output_shapes=[(B, L, H, D), (rows, nsplit, G, 2), (rows, nsplit, G, D)],
+    nsplit, partials = attn_partials(rows, S, G, gb, D)
+    o, _, _ = kern(inputs=[q, kc, vc, off, cnt], output_shapes=[(B, L, H, D), *partials],
                    output_dtypes=[q.dtype, mx.float32, mx.float32],
                    grid=(nsplit * ATTN_WARPS * 32, HKV * G // gb, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
     return o
@@ -740,8 +748,7 @@ def layers_launch(blocks, x, off, bufs):
     B, L, K = x.shape
     M = B * L
     qkv, gu = fb.qkv, fb.gate_up
-    G = fb.H // fb.HKV
-    nsplit = attn_splits(bufs[0][0].shape[2], M * fb.HKV * G // fb.gb)
+    nsplit, partials = attn_partials(M * fb.HKV, bufs[0][0].shape[2], fb.H // fb.HKV, fb.gb, fb.D)
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, nblocks, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                         fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
@@ -751,8 +758,8 @@ def layers_launch(blocks, x, off, bufs):
     for j, (b, (kc, vc, after)) in enumerate(zip(blocks, bufs)):
         arrays.update(b.layer_arrays(j, kc, vc, after))
     f32 = mx.float32
-    shapes_out = [(B, L, K), (B, L, fb.H, fb.D), (M, qkv.out_features), (B, L, fb.H, fb.D),
-                  (M * fb.HKV, nsplit, G, 2), (M * fb.HKV, nsplit, G, fb.D), (M, K), (M, gu.out_features // 2)]
+    shapes_out = [(B, L, K), (B, L, fb.H, fb.D), (M, qkv.out_features), (B, L, fb.H, fb.D), *partials, (M, K),
+                  (M, gu.out_features // 2)]
     dtypes_out = [x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype]
     extra = min(len(blocks) - 1, 2)   # r0, r1: the residual stream between the layers
     outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out + [(M, K)] * extra,
@@ -821,10 +828,11 @@ LAYERS_PER_LAUNCH = 4   # experiment layer_groups
 def launch_runs(fasts):
     """[(first block, blocks)] in order: with the experiment layer_groups, up to LAYERS_PER_LAUNCH
     consecutive one-launch blocks of one launch_key share a launch; otherwise one block each."""
+    grouped = "layer_groups" in config.experiments()
     runs, i = [], 0
     while i < len(fasts):
         n = 1
-        if "layer_groups" in config.experiments() and fasts[i].one_launch:
+        if grouped and fasts[i].one_launch:
             while (n < LAYERS_PER_LAUNCH and i + n < len(fasts) and fasts[i + n].one_launch
                    and fasts[i + n].launch_key() == fasts[i].launch_key()):
                 n += 1
