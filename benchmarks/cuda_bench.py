@@ -2,12 +2,12 @@
 
     python3 benchmarks/cuda_bench.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b,llama-3.2-1b]
         [--bits 4] [--reps 3] [--prompts 512,2048] [--gen 128] [--out benchmarks/results/cuda_bench]
+        [--disable NAMES ...]
 
 Copies of each synthetic model (same seed, so the same weights) are built: one stays stock, one
-is patched (MLX_FASTOPS_BACKEND=cuda; one launch per decoder layer), and with --five-launch a third
-is patched with layer_kernel off (the same kernels, 5 launches per layer), and per --experimental
-NAMES (repeatable) one is patched with those experiments on. Each repetition runs every variant (the order rotates between
-repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
+is patched (MLX_FASTOPS_BACKEND=cuda, the defaults), and per --disable NAMES (repeatable) one more
+is patched with those fusions off (e.g. --disable layer_kernel: 5 launches per layer; --disable
+layer_groups). Each repetition runs every variant (the order rotates between repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
 (greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
 definition), decode tok/s = (gen - 1) / time from the first to the last token. Reports median and
 spread (min-max), the ratio, greedy agreement of the two runs, and a host/GPU split of one decode
@@ -97,31 +97,23 @@ def stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
-def build_variants(name, bits, five_launch, experimental=()):
-    """[(tag, model)]: stock, patched (one launch per layer), with --five-launch the same fused
-    path in 5 launches per layer (layer_kernel disabled), and per --experimental NAMES one patched
-    with those experiments on (MLX_FASTOPS_EXPERIMENTAL while patching). Same seed: same weights."""
+def build_variants(name, bits, disables=()):
+    """[(tag, model)]: stock, patched, and per entry of `disables` (comma-separated fusion names)
+    one patched with those off, tagged "without NAMES". Same seed: same weights."""
     variants = [("stock", synthetic_model(name, bits=bits)), ("patched", synthetic_model(name, bits=bits))]
     reports = {"patched": mlx_fastops.patch(variants[1][1])}
-    if five_launch:
+    for names in disables:
         m = synthetic_model(name, bits=bits)
-        reports["five-launch"] = mlx_fastops.patch(m, disable=["layer_kernel"])
-        variants.append(("five-launch", m))
-    for names in experimental:
-        m = synthetic_model(name, bits=bits)
-        os.environ["MLX_FASTOPS_EXPERIMENTAL"] = names
-        try:
-            reports[names] = mlx_fastops.patch(m)
-        finally:
-            del os.environ["MLX_FASTOPS_EXPERIMENTAL"]
-        variants.append((names, m))
+        tag = f"without {names}"
+        reports[tag] = mlx_fastops.patch(m, disable=names)
+        variants.append((tag, m))
     return variants, reports
 
 
-def bench_model(name, bits, reps, prompts, gen, log, five_launch=False, experimental=()):
+def bench_model(name, bits, reps, prompts, gen, log, disables=()):
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     t0 = time.perf_counter()
-    variants, reports = build_variants(name, bits, five_launch, experimental)
+    variants, reports = build_variants(name, bits, disables)
     log(f"{name}: models built and patched in {time.perf_counter() - t0:.1f}s")
     log(str(reports["patched"]))
     tags = [t for t, _ in variants]
@@ -198,11 +190,9 @@ def main():
     ap.add_argument("--prompts", default="512,2048")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results/cuda_bench")
-    ap.add_argument("--five-launch", action="store_true",
-                    help="add a variant: the fused path in 5 launches per layer (layer_kernel off)")
-    ap.add_argument("--experimental", action="append", default=[], metavar="NAMES",
-                    help="add a variant patched with these experiments on (comma-separated names of "
-                         "mlx_fastops.config.EXPERIMENTS); may be given more than once")
+    ap.add_argument("--disable", action="append", default=[], metavar="NAMES",
+                    help="add a variant patched with these fusions off (comma-separated names of "
+                         "mlx_fastops.FUSIONS); may be given more than once")
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_bench: MLX's CUDA backend is not available here")
@@ -219,7 +209,7 @@ def main():
     results = []
     for name in a.models.split(","):
         results.append(bench_model(name, a.bits, a.reps, [int(p) for p in a.prompts.split(",")], a.gen, log,
-                                   a.five_launch, a.experimental))
+                                   a.disable))
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

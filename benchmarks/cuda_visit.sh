@@ -6,8 +6,8 @@
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
 #   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models (~2-5 min)
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
-#   bash benchmarks/cuda_visit.sh layer    # layer-launch and experiment kernel tests, trace with experiments (~6 min)
-#   bash benchmarks/cuda_visit.sh experiments  # bench of 5 launches and of config.EXPERIMENTS, 4 models (~9 min)
+#   bash benchmarks/cuda_visit.sh layer    # the layer-launch kernel tests (~4 min)
+#   bash benchmarks/cuda_visit.sh variants # bench beside the variants without layer_groups / layer_kernel (~6 min)
 set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
@@ -37,20 +37,11 @@ case "$mode" in
     tail -25 "$OUT/kernels.log"; cp benchmarks/results/cuda_kernels.* "$OUT/" ;;
   layer)
     timeout 300 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k \
-      "one_launch or tiny_model or causal or layer_groups or layers_in or dp4a" -p no:cacheprovider > "$OUT/test_layer.log" 2>&1
-    tail -n 5 "$OUT/test_layer.log"
-    MLX_FASTOPS_EXPERIMENTAL=layer_groups,layer_prefetch,layer_wait_load timeout 120 python3 benchmarks/cuda_trace.py \
-      --out "$OUT" > "$OUT/trace_layer.log" 2>&1
-    grep "^wall\|^## " "$OUT/trace_layer.log" ;;
-  experiments)
-    timeout 270 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,llama-3.2-1b --five-launch \
-      --experimental layer_prefetch,layer_wait_load --experimental layer_groups \
-      --experimental layer_groups,layer_prefetch,layer_wait_load --experimental gemv_dp4a \
-      --out "$OUT/bench_small" > "$OUT/bench_small.log" 2>&1
-    tail -n 22 "$OUT/bench_small.log"
-    timeout 270 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-4b,qwen3-8b \
-      --experimental layer_kernel_any_size,attn_head_split,layer_prefetch,layer_wait_load --experimental gemv_dp4a \
-      --out "$OUT/bench_large" > "$OUT/bench_large.log" 2>&1
-    tail -n 22 "$OUT/bench_large.log" ;;
+      "one_launch or tiny_model or causal or layer_groups or layers_in" -p no:cacheprovider > "$OUT/test_layer.log" 2>&1
+    tail -n 5 "$OUT/test_layer.log" ;;
+  variants)
+    timeout 540 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
+      --disable layer_groups --disable layer_kernel --out "$OUT/bench_variants" > "$OUT/bench_variants.log" 2>&1
+    tail -n 30 "$OUT/bench_variants.log" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -31,7 +31,7 @@
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
-// NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, USE_DP4A (+ DP4A_K), and for
+// NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -130,53 +130,6 @@
   }
 #endif
 
-#if USE_DP4A
-  // Experiment gemv_dp4a (one activation row, 4-bit weights, 32 k per lane): the block quantises
-  // x once to int8, one scale per 32 k (absmax / 127), packed so that byte b of word 2v (2v + 1)
-  // holds the activation of the even (odd) nibble b of a lane's weight word v; the products then
-  // run on dp4a. The bias term takes the sum of the quantised x too: the error is then
-  // sum(e_k * w_k), not sum(e_k * s * q_k), which does not cancel against the bias. DP4A_K: K.
-  static_assert(M == 1 && BITS == 4 && EPW == 32, "dp4a: one activation row, 4-bit, 32 k per lane");
-  __shared__ uint4 s_xq[DP4A_K / 16];      // 8 words per 32 k
-  __shared__ float s_xscale[DP4A_K / 32];
-  __shared__ float s_xsum[DP4A_K / 32];
-  for (int c = threadIdx.x; c < K / 32; c += NW * 32) {
-    float v[32];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-#if HAS_NORM
-      const T nv = static_cast<T>(static_cast<float>(x[c * 32 + j]) * s_inv[0]);
-      v[j] = static_cast<float>(static_cast<T>(static_cast<float>(nw[c * 32 + j]) * static_cast<float>(nv)));
-#else
-      v[j] = static_cast<float>(x[c * 32 + j]);
-#endif
-      amax = fmaxf(amax, fabsf(v[j]));
-    }
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    uint32_t q[8];
-    int qsum = 0;
-#pragma unroll
-    for (int wv = 0; wv < 4; ++wv) {
-      uint32_t e = 0, o = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int qe = __float2int_rn(v[8 * wv + 2 * b] * inv), qo = __float2int_rn(v[8 * wv + 2 * b + 1] * inv);
-        e |= (static_cast<uint32_t>(qe) & 0xFFu) << (8 * b);
-        o |= (static_cast<uint32_t>(qo) & 0xFFu) << (8 * b);
-        qsum += qe + qo;
-      }
-      q[2 * wv] = e;
-      q[2 * wv + 1] = o;
-    }
-    s_xq[2 * c] = make_uint4(q[0], q[1], q[2], q[3]);
-    s_xq[2 * c + 1] = make_uint4(q[4], q[5], q[6], q[7]);
-    s_xscale[c] = amax / 127.f;
-    s_xsum[c] = amax / 127.f * static_cast<float>(qsum);
-  }
-  __syncthreads();
-#endif
-
   float acc[RR][M];
 #pragma unroll
   for (int r = 0; r < RR; ++r)
@@ -197,23 +150,6 @@
     }
     if (k0 + KSTEP < K) load_w(k0 + KSTEP);   // next step in flight
 
-#if USE_DP4A
-    {
-      const uint4 xa = s_xq[2 * (k0 / 32)], xb = s_xq[2 * (k0 / 32) + 1];
-      const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-      const float xs = s_xscale[k0 / 32], xsum = s_xsum[k0 / 32];
-#pragma unroll
-      for (int r = 0; r < RR; ++r) {
-        int dot = 0;
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-          dot = __dp4a(static_cast<int>(cw[r][v] & 0x0F0F0F0Fu), static_cast<int>(xw[2 * v]), dot);
-          dot = __dp4a(static_cast<int>((cw[r][v] >> 4) & 0x0F0F0F0Fu), static_cast<int>(xw[2 * v + 1]), dot);
-        }
-        acc[r][0] += cs[r] * (xs * static_cast<float>(dot)) + cb[r] * xsum;
-      }
-    }
-#else
     // activations: EPW values per row, 16-byte loads
     float xf[M][EPW];
     float sx[M];
@@ -292,7 +228,6 @@
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] += cs[r] * d[m] + cb[r] * sx[m];
     }
-#endif
   }
 
   // ---- warp reduction; lane r*M + m stores (row r, activation m) ----

@@ -2,13 +2,10 @@
 
 MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FUSIONS)
 MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
-MLX_FASTOPS_EXPERIMENTAL  comma-separated names of EXPERIMENTS to switch on (read at patch time;
-                      the lm_head op reads gemv_dp4a per call)
 """
 
 import contextlib
 import contextvars
-import functools
 import os
 
 import mlx.core as mx
@@ -28,41 +25,31 @@ FUSIONS = {
     "layer_kernel": "CUDA: each fast_decode block as one launch (its 5 kernels as 5 block groups, "
                     "each waiting for the previous); off: 5 launches",
     "compile": "CUDA: mx.compile of the whole decode step (fast_decode blocks)",
+    "layer_groups": "CUDA compiled decode step: up to 4 consecutive one-launch layers share one launch "
+                    "(fewer kernel nodes per step)",
+    "layer_prefetch": "CUDA one-launch layer: each GEMV phase starts its weights (first step into "
+                      "registers, its rows into L2) before it waits for the previous phase",
+    "layer_wait_load": "CUDA one-launch layer: blocks poll the previous phase's counter with loads "
+                       "(off: atomic read-modify-writes, which queue with that phase's arrivals)",
+    "attn_head_split": "CUDA one-launch layer: attention blocks take at most 2 of a kv head's query heads "
+                       "(fewer registers; the K/V chunk is read once per pair of heads)",
     "qkv_kernel": "GPU kernel of the fused Q/K/V op (off: stacked weights + one stock quantized_matmul)",
     "gate_up_kernel": "GPU kernel of the fused gate/up+SiLU op (off: one stock quantized_matmul + swiglu)",
     "lm_head_kernel": "GPU kernel of the lm_head op (off: the stock quantized_matmul)",
 }
 
-# Kernel variants that are written and verified (emulator) but not yet measured faster on a GPU:
-# off unless named in MLX_FASTOPS_EXPERIMENTAL.
-EXPERIMENTS = {
-    "layer_prefetch": "CUDA one-launch layer: each GEMV phase starts its weights (first step into "
-                      "registers, its rows into L2) before it waits for the previous phase",
-    "layer_wait_load": "CUDA one-launch layer: blocks poll the previous phase's counter with loads, "
-                       "not atomic read-modify-writes that queue with that phase's arrivals",
-    "layer_groups": "CUDA compiled decode step: up to 4 consecutive one-launch layers share one launch "
-                    "(fewer kernel nodes per step)",
-    "gemv_dp4a": "CUDA: GEMVs of one activation row and 4-bit weights (fast decode blocks, lm_head) "
-                 "quantise x to int8 per 32 k once per block and use dp4a products",
-    "attn_head_split": "CUDA fast decode: attention blocks take at most 2 of a kv head's query heads "
-                       "(fewer registers; the K/V chunk is read once per pair of heads)",
-    "layer_kernel_any_size": "CUDA: one launch per layer for every layer size (default: up to "
-                             "ONE_LAUNCH_MAX_WEIGHTS; larger ones lose with GQA 4's register count)",
-}
-
 BACKENDS = ("auto", "reference", "metal", "cuda")
 
 
-def parse_names(names, source, valid=FUSIONS, kind="fusion"):
-    """Split and validate names (fusions, or another table of `valid` ones); raises ValueError
-    naming the bad ones."""
+def parse_names(names, source):
+    """Split and validate fusion names; raises ValueError naming the bad ones."""
     if isinstance(names, str):
         names = [n for n in names.replace(" ", "").split(",") if n]
     names = set(names)
-    unknown = sorted(names - valid.keys())
+    unknown = sorted(names - FUSIONS.keys())
     if unknown:
         raise ValueError(
-            f"{source}: unknown {kind} name(s) {unknown}; valid names are {sorted(valid)}"
+            f"{source}: unknown fusion name(s) {unknown}; valid names are {sorted(FUSIONS)}"
         )
     return names
 
@@ -74,17 +61,6 @@ def disabled(extra=()):
     """Fusions switched off by MLX_FASTOPS_DISABLE, by the running patch(disable=...), and `extra`."""
     env = parse_names(os.environ.get("MLX_FASTOPS_DISABLE", ""), "MLX_FASTOPS_DISABLE")
     return env | _patch_disabled.get() | parse_names(extra, "disable")
-
-
-def experiments():
-    """The EXPERIMENTS switched on by MLX_FASTOPS_EXPERIMENTAL; raises ValueError naming bad names."""
-    return _experiments(os.environ.get("MLX_FASTOPS_EXPERIMENTAL", ""))
-
-
-@functools.lru_cache(maxsize=8)
-def _experiments(value):
-    # parsed once per value: the lm_head op asks on every decode step
-    return frozenset(parse_names(value, "MLX_FASTOPS_EXPERIMENTAL", EXPERIMENTS, "experiment"))
 
 
 @contextlib.contextmanager

@@ -201,7 +201,11 @@ class _Patcher:
             if fn.one_launch:
                 self.report.add(where, "layer_kernel", "fused", self.backend)
             else:
-                self.skip(where, "layer_kernel", fn.one_launch_off)
+                self.skip(where, "layer_kernel", "disabled")
+            if fn.group_layers:
+                self.report.add(where, "layer_groups", "fused", self.backend)
+            else:
+                self.skip(where, "layer_groups", fn.group_layers_off)
 
     def head(self, model):
         """Returns (object, original class) for the class swap, or None."""
@@ -231,9 +235,8 @@ def patch(model, disable=()):
         return state["report"]
     recipe = _family(model)
     disabled = config.disabled(disable)
-    experiments = config.experiments()   # bad names fail here, whatever the backend
     backend = config.backend_name()
-    key = (backend, frozenset(disabled), experiments)
+    key = (backend, frozenset(disabled))
     parked = model.__dict__.pop(_PARKED, None)
     if parked is not None and parked["key"] == key:
         # Re-patch after unpatch with the same settings: reuse the fused modules (no re-stacking).

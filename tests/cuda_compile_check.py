@@ -82,10 +82,10 @@ def nvrtc_ptx(src, name):
     return ptx.value.decode(), log.value.decode(errors="replace")
 
 
-def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None, dp4a=False):
+def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     T = C._CTYPE[dtype]
     vec, R, nw = C.gemv_config(M, K, N, bits, epi)
-    d = C.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, 1e-6 if norm else None, bias, head, K if dp4a else None)
+    d = C.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, 1e-6 if norm else None, bias, head)
     src = C.source("gemv.cu", d, dtype)
     types = {"x": T, "w": "uint32_t", "sc": T, "bi": T, "nw": T, "bias": T,
              "res": T, "qn": T, "kn": T, "off": "int32_t", "after": T,
@@ -103,12 +103,12 @@ def attn_case(dtype, L, H, HKV, D):
     return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
 
 
-def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, dp4a=False):
+def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1):
     """The one-launch decoder layer(s) (C._layer_build), captured instead of built."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
-                                  gb, prefetch, prefetch, nlayers, dp4a)
+                                  gb, prefetch, prefetch, nlayers)
     T = C._CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
@@ -130,7 +130,6 @@ def cases():
     yield "layer qwen3-4b M1", layer_case(1, {**q06, "H": 32}, 33, shapes4b)
     yield "layer qwen3-4b M1 gb2", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2)
     yield "layers x4 qwen3-0.6b M1", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4)
-    yield "layer qwen3-0.6b M1 dp4a", layer_case(1, {**q06, "L": 1}, 33, shapes06, dp4a=True)
     g8 = {**q06, "H": 64, "HKV": 8}     # GQA 8, D 128: the largest attention phase
     yield "layer G8 D128 M8", layer_case(8, g8, 4, ((4, 64, 10240, 4096), (4, 64, 4096, 8192),
                                                     (4, 64, 28672, 4096), (4, 64, 4096, 14336)))
@@ -138,9 +137,6 @@ def cases():
         for bits in (4, 8):
             yield f"gemv plain M{M} b{bits}", gemv_case(bf, M, 1024, 4096, bits, 64, 0, False, True, False)
     yield "gemv res", gemv_case(f16, 1, 2048, 1024, 4, 32, 1, False, False, True)
-    yield "gemv dp4a lm_head", gemv_case(bf, 1, 1024, 151936, 4, 64, 0, False, False, False, dp4a=True)
-    yield "gemv dp4a silu norm", gemv_case(bf, 1, 4096, 24576, 4, 64, 2, True, False, False, dp4a=True)
-    yield "gemv dp4a down", gemv_case(bf, 1, 12288, 4096, 4, 64, 1, False, False, True, dp4a=True)
     yield "gemv silu norm", gemv_case(bf, 2, 1024, 6144, 4, 128, 2, True, False, False)
     yield "gemv fp32", gemv_case(mx.float32, 1, 192, 320, 4, 64, 0, False, False, False)
     for D in (64, 128, 256):

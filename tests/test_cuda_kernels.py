@@ -120,36 +120,6 @@ def test_gemv_epilogues(dtype, bits, gs, M):
         assert a.shape == (M, 1, b.shape[-1]) and rel(a, b.reshape(M, 1, -1)) < 1e-2
 
 
-# (dtype, gs, M, K, N, epi): the int8-activation variant (experiment gemv_dp4a) covers M == 1, 4-bit
-DP4A_CASES = [("bfloat16", 64, 1, 1024, 4096, 0), ("float16", 32, 1, 192, 320, 0), ("bfloat16", 128, 1, 2048, 1000, 1),
-              ("bfloat16", 64, 1, 1024, 704, 2), ("float16", 64, 1, 9728, 136, 1), ("bfloat16", 64, 2, 1024, 512, 0)]
-
-
-@pytest.mark.parametrize("dtype,gs,M,K,N,epi", DP4A_CASES)
-def test_gemv_dp4a(dtype, gs, M, K, N, epi):
-    """x in int8 (one scale per 32 k) against the float32 oracle of the exact x; where the variant
-    does not apply (M > 1) the float path runs, bit for bit."""
-    dt = getattr(mx, dtype)
-    x = (3 * mx.random.normal((M, K))).astype(dt)
-    w = packed(2 * N if epi == 2 else N, K, 4, gs, dt, splits=(N, N) if epi == 2 else None)
-    kw = {}
-    if epi == 1:
-        kw["res"] = mx.random.normal((M, N)).astype(dt)
-    if epi == 2:
-        kw["norm"] = ((1 + 0.1 * mx.random.normal((K,))).astype(dt), 1e-6)
-    y8 = C.gemv(x, w, epi=epi, dp4a=True, **kw)
-    y = C.gemv(x, w, epi=epi, **kw)
-    xin = mx.fast.rms_norm(x, *kw["norm"]) if epi == 2 else x
-    ref = xin.astype(mx.float32) @ dense(w).T
-    if epi == 1:
-        ref = ref + kw["res"].astype(mx.float32)
-    if epi == 2:
-        g, u = mx.split(ref, 2, axis=-1)
-        ref = nn.silu(g) * u
-    assert rel(y8, ref) < 1.5e-2
-    assert mx.array_equal(y8, y) == (M > 1), "dp4a variant engaged only for one row"
-
-
 def test_rows_beyond_8_use_reference():
     w = packed(256, 512, 4, 64, mx.bfloat16)
     x = mx.random.normal((1, 9, 512)).astype(mx.bfloat16)
@@ -263,7 +233,7 @@ def _check_attention(dtype, D, G, B, length, S):
                                         (3, 8, 2, 300), (1, 8, 4, 2000), (2, 4, 1, 40)])
 def test_attention_multi_token_causal(L, G, gb, off):
     """L new tokens per row after `off` cached ones; gb < G: each block takes gb of the G query
-    heads of its kv head (experiment attn_head_split), one split or many."""
+    heads of its kv head (attn_head_split), one split or many."""
     dt, B, HKV, D = mx.bfloat16, 2, 2, 128
     S = off + L + 64
     q = mx.random.normal((B, L, HKV * G, D)).astype(dt)
@@ -280,11 +250,11 @@ def test_attention_multi_token_causal(L, G, gb, off):
             assert rel(o[:, :, h], ref[:, :, h]) < 1e-2, h
 
 
-@pytest.mark.parametrize("name,experiments", [("qwen3-tiny", ""), ("llama-tiny", ""), ("qwen2-tiny", ""),
-                                              ("qwen3-tiny", "gemv_dp4a")])
-def test_fast_decode_path_tiny_model(name, experiments, monkeypatch):
-    """The whole fused decode block (5 launches, the StaticKVCache written in place, tickets, the
-    previous reader as an input) on tiny bf16 models, without mx.compile (the emulator runs
+@pytest.mark.parametrize("name,disable", [("qwen3-tiny", ""), ("llama-tiny", ""), ("qwen2-tiny", ""),
+                                          ("qwen3-tiny", "layer_kernel")])
+def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
+    """The whole fused decode block (one launch per layer, or with layer_kernel disabled 5; the
+    StaticKVCache written in place, tickets, the previous reader as an input) on tiny bf16 models, without mx.compile (the emulator runs
     outside MLX's graph), after a prompt that crosses 256. Teacher-forced along tokens stock picks
     (its argmax after each forced token), against the float32 evaluation of the same quantised
     model: the fused path must pick the oracle's token wherever the oracle's margin is clear, and be
@@ -293,7 +263,7 @@ def test_fast_decode_path_tiny_model(name, experiments, monkeypatch):
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    monkeypatch.setenv("MLX_FASTOPS_EXPERIMENTAL", experiments)
+    monkeypatch.setenv("MLX_FASTOPS_DISABLE", disable)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=1)
     prompt = mx.random.randint(0, model.args.vocab_size, (300,), key=mx.random.key(4))
     first = fidelity.forced_logits(model, prompt, [0] * 12)
@@ -308,7 +278,7 @@ def test_fast_decode_path_tiny_model(name, experiments, monkeypatch):
     finally:
         mlx_fastops.unpatch(model)
     fused = fidelity.against(got, oracle)
-    print(f"{name} {experiments or 'default'} vs float32: stock {stock}, patched {fused}")
+    print(f"{name} {'without ' + disable if disable else 'default'} vs float32: stock {stock}, patched {fused}")
     assert np.isfinite(np.asarray(got)).all()
     assert fused["mean_abs"] <= 1.1 * stock["mean_abs"], (fused, stock)
     o = np.asarray(oracle)
@@ -321,12 +291,11 @@ def test_fast_decode_path_tiny_model(name, experiments, monkeypatch):
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1), ("qwen2-tiny", 1, 1),
                                           ("qwen3-tiny", 2, 3)])
 def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
-    """The one-launch decoder layer (the default), also with the experiments layer_prefetch (GEMV
-    phases wait inside, after sending their weights on) and layer_wait_load (waits poll with
-    loads), computes exactly what the 5-launch path
-    (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache rows, bit for bit.
-    Where G allows, again with attention blocks of 2 query heads (experiment attn_head_split), and
-    for one activation row with int8-activation GEMVs (experiment gemv_dp4a)."""
+    """The one-launch decoder layer, without and with layer_prefetch (GEMV phases wait inside,
+    after sending their weights on) and layer_wait_load (waits poll with loads), computes exactly
+    what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache
+    rows, bit for bit. Where G allows, again with attention blocks of 2 query heads
+    (attn_head_split)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -342,16 +311,15 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
         x = mx.random.normal((batch, L, a.hidden_size)).astype(mx.bfloat16)   # L new tokens each
         off = C.offset_array(P)
         G = fb.H // fb.HKV
-        configs = {(G, False), (2 if G % 2 == 0 else G, False), (G, batch * L == 1)}   # (gb, dp4a)
         results = {}
-        for fb.gb, fb.dp4a in sorted(configs):
+        for fb.gb in sorted({G, 2 if G % 2 == 0 else G}):
             for fb.one_launch, fb.prefetch, fb.wait_load in ((False, False, False), (True, False, False),
                                                              (True, True, False), (True, False, True)):
                 kc, vc = k0 + 0, v0 + 0
                 mx.eval(kc, vc)
                 out, o = fb.core(x, off, kc, vc, kc)
                 mx.eval(out, o)
-                results.setdefault((fb.gb, fb.dp4a), []).append((out, o, kc, vc))
+                results.setdefault(fb.gb, []).append((out, o, kc, vc))
         assert not np.asarray(fb.layer_counters(1)).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)
@@ -366,7 +334,7 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
 @pytest.mark.parametrize("name,batch,L,prefetch", [("qwen3-tiny", 1, 1, False), ("llama-tiny", 2, 2, True),
                                                    ("qwen2-tiny", 1, 1, True)])
 def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monkeypatch):
-    """Both layers of a tiny model in one launch (experiment layer_groups; the residual stream
+    """Both layers of a tiny model in one launch (layer_groups; the residual stream
     between them in scratch outputs) compute exactly what one launch per layer computes."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
@@ -406,8 +374,8 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
 
 
 def test_decode_step_with_layer_groups(monkeypatch):
-    """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with the
-    experiment layer_groups gives the same logits as with one launch per layer."""
+    """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with layer_groups
+    (the default) gives the same logits as with one launch per layer."""
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
@@ -416,13 +384,12 @@ def test_decode_step_with_layer_groups(monkeypatch):
     logits = []
     mx.disable_compile()
     try:
-        for groups in ("", "layer_groups"):
-            monkeypatch.setenv("MLX_FASTOPS_EXPERIMENTAL", groups)
+        for disable in ((), ("layer_groups",)):
             model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=4)
-            report = mlx_fastops.patch(model)
+            report = mlx_fastops.patch(model, disable=disable)
             assert any(e.fusion == "compile" and e.status == "fused" for e in report.entries)
             runs = C.launch_runs(model.model._fastops_blocks)
-            assert runs == ([(0, 2)] if groups else [(0, 1), (1, 1)]), runs
+            assert runs == ([(0, 1), (1, 1)] if disable else [(0, 2)]), runs
             logits.append(fidelity.forced_logits(model, prompt, [7, 99, 1234]))
             assert "_fastops_off" in model.model.__dict__, "the decode step was not used"
             mlx_fastops.unpatch(model)
@@ -432,12 +399,13 @@ def test_decode_step_with_layer_groups(monkeypatch):
     assert mx.array_equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize("limit,disable,one_launch", [(1.0, (), True), (0.99, (), False),
-                                                      (1.0, ("layer_kernel",), False)])
-def test_one_launch_chosen_by_layer_size(limit, disable, one_launch, monkeypatch):
-    """One launch per layer up to ONE_LAUNCH_MAX_WEIGHTS (where the H200 measured it faster than 5
-    launches; the limit is set here relative to the tiny layer's size), 5 launches above it or when
-    disabled; the patch report says which and why."""
+@pytest.mark.parametrize("limit,disable,one_launch,groups", [(1.0, (), True, True), (0.99, (), True, False),
+                                                             (1.0, ("layer_groups",), True, False),
+                                                             (1.0, ("layer_kernel",), False, False)])
+def test_layer_groups_chosen_by_layer_size(limit, disable, one_launch, groups, monkeypatch):
+    """One launch per layer unless layer_kernel is disabled; several layers per launch for layers
+    of up to GROUP_MAX_WEIGHTS (where the H200 measured it faster; the limit is set here relative
+    to the tiny layer's size). The patch report says which and why."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -447,16 +415,18 @@ def test_one_launch_chosen_by_layer_size(limit, disable, one_launch, monkeypatch
     D = c.head_dim
     weights = c.hidden_size * (D * (c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * c.intermediate_size) \
         + D * c.num_attention_heads * c.hidden_size
-    monkeypatch.setattr(C, "ONE_LAUNCH_MAX_WEIGHTS", int(limit * weights))
+    monkeypatch.setattr(C, "GROUP_MAX_WEIGHTS", int(limit * weights))
     report = mlx_fastops.patch(model, disable=("compile", *disable))   # the emulator cannot be traced
     try:
         fb = model.model.layers[0].fast_fn
-        assert fb.weights == weights and fb.one_launch is one_launch
-        entries = [e for e in report.entries if e.fusion == "layer_kernel"]
-        assert len(entries) == c.num_hidden_layers
-        assert all(e.status == ("fused" if one_launch else "skipped") for e in entries)
-        if not one_launch:
-            assert entries[0].reason == ("disabled" if disable else fb.one_launch_off)
-            assert disable or "5 launches are faster" in entries[0].reason, entries[0].reason
+        assert fb.weights == weights and fb.one_launch is one_launch and fb.group_layers is groups
+        assert fb.prefetch is fb.wait_load is one_launch
+        for fusion, fused, why in (("layer_kernel", one_launch, "disabled"),
+                                   ("layer_groups", groups, "disabled" if disable == ("layer_groups",) else
+                                    "layer_kernel disabled" if disable else "one layer per launch is faster")):
+            entries = [e for e in report.entries if e.fusion == fusion]
+            assert len(entries) == c.num_hidden_layers
+            assert all(e.status == ("fused" if fused else "skipped") for e in entries)
+            assert fused or why in entries[0].reason, entries[0].reason
     finally:
         mlx_fastops.unpatch(model)

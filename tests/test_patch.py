@@ -151,10 +151,6 @@ def test_bad_env_names(monkeypatch):
     with pytest.raises(ValueError, match="fast_everything.*valid names"):
         mlx_fastops.patch(model)
     monkeypatch.setenv("MLX_FASTOPS_DISABLE", "")
-    monkeypatch.setenv("MLX_FASTOPS_EXPERIMENTAL", "layer_prefetch,warp_drive")
-    with pytest.raises(ValueError, match="MLX_FASTOPS_EXPERIMENTAL.*warp_drive.*valid names"):
-        mlx_fastops.patch(model)
-    monkeypatch.setenv("MLX_FASTOPS_EXPERIMENTAL", "")
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "tpu")
     with pytest.raises(ValueError, match="MLX_FASTOPS_BACKEND"):
         mlx_fastops.patch(model)

@@ -6,15 +6,18 @@ Ops (same signatures as backends/reference.py):
   decode_attention                  GQA decode attention over the full cache buffers (attention.cu)
 Ops without a CUDA kernel (rms_norm_residual, qk_norm_rope, flash_attention) use the reference.
 
-Fast decode path (`fast_block`): a whole decoder block in one launch (layers of up to
-ONE_LAUNCH_MAX_WEIGHTS; the 5 kernels below as 5 block groups, each waiting for the previous) or
-in 5 launches, when the layer's cache is a `StaticKVCache` and B*L <= 8:
+Fast decode path (`fast_block`): a whole decoder block in one launch (the 5 kernels below as 5
+block groups, each waiting for the previous; layers of up to GROUP_MAX_WEIGHTS up to 4 per launch)
+or (layer_kernel disabled) in 5 launches, when the layer's cache is a `StaticKVCache` and B*L <= 8:
   1. input RMSNorm + QKV GEMV + q/k RMSNorm + RoPE + k/v written into the cache in place
   2. attention over the cache buffers (split over the sequence, merged in the same launch)
   3. o_proj GEMV + residual add
   4. post-attention RMSNorm + gate/up GEMV + SiLU*up
   5. down GEMV + residual add
-Variants not yet measured on a GPU are switched on by config.EXPERIMENTS.
+The one-launch layer's variants each have a kill switch (config.FUSIONS): its GEMV phases start
+their weights before they wait (layer_prefetch), waits poll with loads (layer_wait_load),
+attention blocks take 2 query heads (attn_head_split), and the compiled step puts up to 4
+consecutive layers in one launch (layer_groups).
 Kernel objects are built lazily, once per (kernel, static shape class); model constants (norm
 eps, RoPE base) are #defines; per-step values (the cache offset) are int32 arrays of 16 bytes; the
 cache buffers are read and written through their strides. Without a GPU the same wrappers run
@@ -94,14 +97,10 @@ def _flt(v):
     return f"{float(v)!r}f"
 
 
-def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, dp4a_k=None):
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None):
     """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
-    eps: the folded input RMSNorm's epsilon (None: no norm). dp4a_k: K, for the int8-activation
-    variant (experiment gemv_dp4a; see dp4a_applies), else None."""
-    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=eps is not None, HAS_BIAS=bias,
-             USE_DP4A=dp4a_k is not None)
-    if dp4a_k is not None:
-        d["DP4A_K"] = dp4a_k
+    eps: the folded input RMSNorm's epsilon (None: no norm)."""
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=eps is not None, HAS_BIAS=bias)
     if eps is not None:
         d["EPS"] = _flt(eps)
     if head is not None:
@@ -109,12 +108,6 @@ def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head
                  QEPS=_flt(head["qeps"]), KEPS=_flt(head["keps"]), ROPE_TRAD=head["trad"],
                  ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=_flt(head["log2_base"]), ROPE_SCALE=_flt(head["scale"]))
     return d
-
-
-def dp4a_applies(M, bits, vec):
-    """The int8-activation (dp4a) GEMV variant covers one activation row of 4-bit weights with 32 k
-    per lane (VEC 4); other calls keep the float path."""
-    return M == 1 and bits == 4 and vec == 4
 
 
 def gemv_outputs(epi):
@@ -128,31 +121,28 @@ def gemv_blocks(N, epi, R, nw):
 
 
 @cached_builder
-def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, dp4a_k=None):
+def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw):
     head = dict(head_items) if head_items else None
-    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head, dp4a_k), dtype)
+    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head), dtype)
     return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
                        output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3))
 
 
-def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items, dp4a=False):
-    """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None;
-    dp4a: the int8-activation variant where it applies."""
+def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items):
+    """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
-    dp4a_k = K if dp4a and dp4a_applies(M, bits, VEC) else None
-    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, dp4a_k)
+    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW)
     return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
-def gemv(x2d, w, epi=0, norm=None, res=None, dp4a=False):
-    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm;
-    dp4a: int8 activations (experiment gemv_dp4a) where dp4a_applies."""
+def gemv(x2d, w, epi=0, norm=None, res=None):
+    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm."""
     M, K = x2d.shape
     N = w.out_features
     dtype = x2d.dtype
     bias = w.bias is not None and epi == 0
     kern, grid, tg = _gemv_kernel(dtype, M, K, N, w.bits, w.group_size, epi,
-                                  None if norm is None else float(norm[1]), bias, res is not None, None, dp4a)
+                                  None if norm is None else float(norm[1]), bias, res is not None, None)
     inputs = [x2d, w.weight, w.scales, w.biases]
     if norm is not None:
         inputs.append(norm[0])
@@ -226,8 +216,7 @@ def lm_head(x, w):
     M = _rows(x)
     if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
         return _ref().lm_head(x, w)
-    dp4a = "gemv_dp4a" in config.experiments()   # read per call: this op has no patch-time state
-    return gemv(x.reshape(M, -1), w, dp4a=dp4a).reshape(*x.shape[:-1], w.out_features)
+    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,15 +398,14 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, dp4a=False):
+                 wait_load=False, nlayers=1):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (experiment layer_groups). Returns (kernel, blocks, input names).
 
     shapes: ((bits, gs, N, K) of qkv, o, gate_up, down). gb: the attention's query heads per
     block. Experiments: prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu
     (WAIT_INPUTS), once their weights are on the way, instead of before they start; wait_load
-    (layer_wait_load): waits poll with loads instead of atomics; dp4a (gemv_dp4a): int8-activation
-    GEMVs where they apply. Inputs of layer j carry the suffix j (x, off, the tickets and the
+    (layer_wait_load): waits poll with loads instead of atomics. Inputs of layer j carry the suffix j (x, off, the tickets and the
     counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
     r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -429,8 +417,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi)
-        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd,
-                         K if dp4a and dp4a_applies(M, bits, vec) else None)
+        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         if prefetch:
             d["WAIT_INPUTS"] = "layer_wait(ctr, wait_g, wait_n)"
@@ -577,12 +564,12 @@ def _as_packed(m):
     return PackedLinear(m.weight, m.scales, m.biases, None, (m.weight.shape[0],), K, m.bits, m.group_size)
 
 
-# One launch per layer wins where a decode step is bound by MLX's cost per kernel node (Qwen3-0.6B,
-# 15M weights per layer (M = 2^20): 1.2x the 5 launches), ties at Llama-3.2-1B (58M) and loses on
-# larger layers (Qwen3-4B 96M, 8B 184M: 0.8x; the one kernel takes the register count of its
-# hungriest phase, so fewer blocks of the big GEMVs are in flight).
-# benchmarks/results/cuda_bench_layer_kernel.md.
-ONE_LAUNCH_MAX_WEIGHTS = 64 << 20
+# One launch per layer beats 5 launches on every model measured, once its GEMV phases start their
+# weights before they wait and attention blocks take 2 query heads (Qwen3-8B 1.03-1.38x in 4 of 4
+# side-by-side comparisons, Qwen3-4B 0.84-1.38x). Several layers per launch (layer_groups) wins on
+# small layers (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: ~1.2x) and loses on
+# large ones (Qwen3-4B 96M, 8B 184M: ~0.9x), hence the bound. benchmarks/results/cuda_notes.md.
+GROUP_MAX_WEIGHTS = 64 << 20
 
 
 class FastBlock:
@@ -618,18 +605,20 @@ class FastBlock:
         self.attn_tickets = tickets(MAX_ROWS * self.H)   # per row, kv head and head subgroup
         self._counters = {}   # layer launches' group counters, per layers per launch
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
-        on = config.experiments()
-        large = self.weights > ONE_LAUNCH_MAX_WEIGHTS and "layer_kernel_any_size" not in on
-        self.one_launch_off = ("disabled" if "layer_kernel" in disabled else
-                               f"{self.weights >> 20}M weights per layer > {ONE_LAUNCH_MAX_WEIGHTS >> 20}M: "
-                               "5 launches are faster" if large else None)
-        self.one_launch = self.one_launch_off is None
-        self.prefetch = "layer_prefetch" in on
-        self.wait_load = "layer_wait_load" in on
-        self.dp4a = "gemv_dp4a" in on
-        # query heads per attention block: all G, or (experiment) at most 2, for fewer registers
+        self.one_launch = "layer_kernel" not in disabled
+        # the one-launch layer's variants (each measured faster on the H200; see config.FUSIONS)
+        variant = lambda name: self.one_launch and name not in disabled
+        self.prefetch = variant("layer_prefetch")
+        self.wait_load = variant("layer_wait_load")
+        large = self.weights > GROUP_MAX_WEIGHTS
+        self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
+                                 "disabled" if "layer_groups" in disabled else
+                                 f"{self.weights >> 20}M weights per layer > {GROUP_MAX_WEIGHTS >> 20}M: "
+                                 "one layer per launch is faster" if large else None)
+        self.group_layers = self.group_layers_off is None
+        # query heads per attention block: at most 2 (fewer registers) or all G
         G = self.H // self.HKV
-        self.gb = 2 if "attn_head_split" in on and G % 2 == 0 else G
+        self.gb = 2 if variant("attn_head_split") and G % 2 == 0 else G
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
     @staticmethod
@@ -679,8 +668,7 @@ class FastBlock:
         M = B * L
         qkv = self.qkv
         kern, grid, tg = _gemv_kernel(x.dtype, M, K, qkv.out_features, qkv.bits, qkv.group_size, 3,
-                                      self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),),
-                                      self.dp4a)
+                                      self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),))
         bias = [qkv.bias] if qkv.bias is not None else []
         head_inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0], *bias, *self.qk, off, *self.rf,
                        kc, vc, self.head_tickets, after]   # gemv_inputs order for EPI 3
@@ -688,9 +676,9 @@ class FastBlock:
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
         o = attention(q, kc, vc, off, self.scale, self.attn_tickets, self.gb)
         x2 = x.reshape(M, K)
-        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2, dp4a=self.dp4a)
-        a = gemv(h, self.gate_up, epi=2, norm=self.post_norm, dp4a=self.dp4a)
-        out = gemv(a, self.down, epi=1, res=h, dp4a=self.dp4a)
+        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
+        a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
+        out = gemv(a, self.down, epi=1, res=h)
         return out.reshape(B, L, K), o
 
     def core_one_launch(self, x, off, kc, vc, after):
@@ -724,7 +712,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.dp4a)
+                self.prefetch, self.wait_load)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -752,7 +740,7 @@ def layers_launch(blocks, x, off, bufs):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, nblocks, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                         fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                        len(blocks), fb.dp4a)
+                                        len(blocks))
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
     for j, (b, (kc, vc, after)) in enumerate(zip(blocks, bufs)):
@@ -822,18 +810,18 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
 _INNER_CLASSES = {}
 
 
-LAYERS_PER_LAUNCH = 4   # experiment layer_groups
+LAYERS_PER_LAUNCH = 4   # layer_groups
 
 
 def launch_runs(fasts):
-    """[(first block, blocks)] in order: with the experiment layer_groups, up to LAYERS_PER_LAUNCH
-    consecutive one-launch blocks of one launch_key share a launch; otherwise one block each."""
-    grouped = "layer_groups" in config.experiments()
+    """[(first block, blocks)] in order: up to LAYERS_PER_LAUNCH consecutive one-launch blocks of
+    one launch_key share a launch (group_layers, i.e. layer_groups not disabled); otherwise one
+    block each."""
     runs, i = [], 0
     while i < len(fasts):
         n = 1
-        if grouped and fasts[i].one_launch:
-            while (n < LAYERS_PER_LAUNCH and i + n < len(fasts) and fasts[i + n].one_launch
+        if fasts[i].group_layers:
+            while (n < LAYERS_PER_LAUNCH and i + n < len(fasts) and fasts[i + n].group_layers
                    and fasts[i + n].launch_key() == fasts[i].launch_key()):
                 n += 1
         runs.append((i, n))

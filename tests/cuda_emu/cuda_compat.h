@@ -138,13 +138,6 @@ struct uint2 { unsigned x, y; };
 struct float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
-// sum of the four signed byte products, plus c
-inline int __dp4a(int a, int b, int c) {
-  for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
-  return c;
-}
-inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }   // round half to even
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
