@@ -3,8 +3,10 @@
     python3 benchmarks/cuda_kernels.py [--out benchmarks/results/cuda_kernels]
 
 Each case builds a graph of CALLS independent calls (rotating over enough weight copies that the
-working set exceeds the 50 MB L2), evaluates it, and divides: time per call includes launch cost
-inside MLX's CUDA graphs. Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
+working set exceeds the 50 MB L2), evaluates it, and divides: time per call includes building the
+graph in Python and MLX's encoding of each node (~10 us per node in the decode-step trace), so for
+short kernels this is host cost, not GPU time (Qwen3-0.6B's QKV GEMV: 23 us here, while the fused
+norm+QKV+RoPE kernel took 7 us of GPU time in benchmarks/cuda_trace.py's decode-step timeline). Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
 on cache slices; ours = cuda/gemv.cu / cuda/attention.cu. Bytes = weights + scales/biases + x + y
 (GEMV), K and V rows read (attention).
 """
