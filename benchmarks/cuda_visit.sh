@@ -8,6 +8,7 @@
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
 #   bash benchmarks/cuda_visit.sh layer    # the layer-launch kernel tests (~4 min)
 #   bash benchmarks/cuda_visit.sh variants # bench beside the variants without layer_groups / layer_kernel (~6 min)
+#   bash benchmarks/cuda_visit.sh phases   # time per phase inside the layer launch, Qwen3-0.6B and 8B (~1-2 min)
 set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
@@ -43,5 +44,8 @@ case "$mode" in
     timeout 540 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
       --disable layer_groups --disable layer_kernel --out "$OUT/bench_variants" > "$OUT/bench_variants.log" 2>&1
     tail -n 30 "$OUT/bench_variants.log" ;;
+  phases)
+    timeout 240 python3 benchmarks/cuda_layer_phases.py --out "$OUT" > "$OUT/phases.log" 2>&1
+    tail -n 60 "$OUT/phases.log" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

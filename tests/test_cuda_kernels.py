@@ -10,6 +10,8 @@ rows, sizes that are not tile multiples, negative scales (MLX's quantiser produc
 """
 
 import math
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -371,6 +373,51 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
     assert mx.array_equal(out1, out2) and mx.array_equal(o1, o2)   # o: the last layer's attention
     for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
         assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
+
+
+def test_layer_phase_stamps(monkeypatch):
+    """layers_launch(stamps=True), which benchmarks/cuda_layer_phases.py reads: the same outputs and
+    cache rows as without; every block stamped, entry before end; every block of a group ends
+    after every block of the group before it (its wait), across both layers of the launch; and
+    the benchmark's per-phase table of those stamps is ordered the same way."""
+    from mlx_fastops import synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=6)
+    mlx_fastops.patch(model, disable=("compile",))
+    try:
+        fbs = [layer.fast_fn for layer in model.model.layers]
+        HKV, D = fbs[0].HKV, fbs[0].D
+        caches = [[mx.random.normal((1, HKV, 512, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
+        x = mx.random.normal((1, 1, model.args.hidden_size)).astype(mx.bfloat16)
+        off = C.offset_array(280)
+        results = []
+        for stamps in (False, True):
+            bufs = [(kc + 0, vc + 0) for kc, vc in caches]
+            mx.eval(bufs)
+            res = C.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs], stamps=stamps)
+            mx.eval(res[:3])
+            results.append((res, bufs))
+    finally:
+        mlx_fastops.unpatch(model)
+    ((out1, o1), bufs1), ((out2, o2, st, groups), bufs2) = results
+    assert mx.array_equal(out1, out2) and mx.array_equal(o1, o2)
+    for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
+        assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
+    st = np.asarray(st)
+    assert len(groups) == 2 * C.LAYER_GROUPS and st.shape == (sum(groups), 2)
+    assert (st != 0x7F7F7F7F7F7F7F7F).all() and (st[:, 0] < st[:, 1]).all(), "a block was not stamped"
+    bounds = np.cumsum([0, *groups])
+    ends = [st[a:b, 1] for a, b in zip(bounds[:-1], bounds[1:])]
+    for g in range(1, len(ends)):
+        assert ends[g].min() > ends[g - 1].max(), f"group {g} ended before group {g - 1}"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from cuda_layer_phases import phase_rows
+    rows = phase_rows(st, groups)
+    assert len(rows) == len(groups) and rows[0][0] == 0.0
+    for (first, ready, p90, end), prev in zip(rows, [(0, 0, 0, 0.0)] + rows):
+        assert ready == prev[3] and first <= p90 <= end and end > ready
 
 
 def test_decode_step_with_layer_groups(monkeypatch):

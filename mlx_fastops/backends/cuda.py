@@ -343,6 +343,25 @@ def decode_attention(q, k_cache, v_cache, length, scale):
 
 
 _LAYER_HELPERS = r"""
+__device__ __forceinline__ long long layer_now() {
+#ifdef __CUDA_ARCH__
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<long long>(t);
+#else
+  static long long ticks = 0;   // CPU emulator: a logical clock, one tick per reading
+  return ++ticks;
+#endif
+}
+// Phase timing (layers_launch(stamps=True)): block b's entry and end times in stamps[2b], [2b+1];
+// the end is taken once the whole block is done, before it counts as arrived.
+__device__ __forceinline__ void layer_stamp(int64_t* stamps, long long t_enter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    stamps[2 * blockIdx.x] = t_enter;
+    stamps[2 * blockIdx.x + 1] = layer_now();
+  }
+}
 __device__ __forceinline__ void prefetch_l2(const void* p) {
 #ifdef __CUDA_ARCH__
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
@@ -398,14 +417,15 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1):
+                 wait_load=False, nlayers=1, stamps=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
-    shapes) in one launch (experiment layer_groups). Returns (kernel, blocks, input names).
+    shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
     shapes: ((bits, gs, N, K) of qkv, o, gate_up, down). gb: the attention's query heads per
-    block. Experiments: prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu
-    (WAIT_INPUTS), once their weights are on the way, instead of before they start; wait_load
-    (layer_wait_load): waits poll with loads instead of atomics. Inputs of layer j carry the suffix j (x, off, the tickets and the
+    block. prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu (WAIT_INPUTS), once
+    their weights are on the way, instead of before they start; wait_load (layer_wait_load):
+    waits poll with loads instead of atomics; stamps: an extra output with each block's entry and
+    end times (layer_stamp). Inputs of layer j carry the suffix j (x, off, the tickets and the
     counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
     r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -466,18 +486,19 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     # a gemv phase waits inside (prefetch) or here; attention always here; group 0 never
     inside = lambda g: prefetch and g % LAYER_GROUPS != 1
     wait = lambda g: "" if g == 0 or inside(g) else f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n    "
-    body = "  int blk = blockIdx.x;\n"
+    body = "  int blk = blockIdx.x;\n" + ("  const long long t_enter = layer_now();\n" if stamps else "")
+    stamp = "layer_stamp(stamps, t_enter);\n    " if stamps else ""
     for g, (n, call) in enumerate(zip(groups[:-1], calls[:-1])):
         body += f"""  if (blk < {n}) {{
     {wait(g)}{call};
-    layer_done(ctr, {g});
+    {stamp}layer_done(ctr, {g});
     return;
   }}
   blk -= {n};
 """
     last = len(groups) - 1
     body += f"""  {wait(last)}{calls[last]};
-  __threadfence();
+  {stamp}__threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
     int* c = const_cast<int*>(ctr);
@@ -489,9 +510,10 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     # MLX puts the header before its `namespace mlx::core::cu {` (where Shape and Strides live)
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
+    outputs += ["stamps"] if stamps else []
     kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs, output_names=outputs,
                        header=header, source=body, ensure_row_contiguous=False)
-    return kern, sum(groups), inputs
+    return kern, groups, inputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,10 +586,11 @@ def _as_packed(m):
     return PackedLinear(m.weight, m.scales, m.biases, None, (m.weight.shape[0],), K, m.bits, m.group_size)
 
 
-# One launch per layer beats 5 launches on every model measured, once its GEMV phases start their
-# weights before they wait and attention blocks take 2 query heads (Qwen3-8B 1.03-1.38x in 4 of 4
-# side-by-side comparisons, Qwen3-4B 0.84-1.38x). Several layers per launch (layer_groups) wins on
-# small layers (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: ~1.2x) and loses on
+# One launch per layer, with its GEMV phases starting their weights before they wait and attention
+# blocks of 2 query heads, was faster than 5 launches on the H200 for every model measured (Qwen3-8B
+# 1.03-1.38x in 4 of 4 side-by-side comparisons; Qwen3-4B 0.84-1.38x, mean 1.09x, within the
+# run-to-run noise). Several layers per launch (layer_groups) wins on
+# small layers (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x) and loses on
 # large ones (Qwen3-4B 96M, 8B 184M: ~0.9x), hence the bound. benchmarks/results/cuda_notes.md.
 GROUP_MAX_WEIGHTS = 64 << 20
 
@@ -728,19 +751,21 @@ class FastBlock:
 FastBlock.cache_type = StaticKVCache
 
 
-def layers_launch(blocks, x, off, bufs):
+def layers_launch(blocks, x, off, bufs, stamps=False):
     """Consecutive decoder layers (FastBlocks with one launch_key) in one launch: x [B, L, K] ->
     (output of the last, the attention scratch output: the new last reader of every layer's
-    cache). bufs: (kc, vc, after) per block."""
+    cache). bufs: (kc, vc, after) per block. With stamps (benchmarks/cuda_layer_phases.py), also
+    (int64 [blocks, 2]: each block's entry and end time in ns, blocks per group in launch order)."""
     fb = blocks[0]
     B, L, K = x.shape
     M = B * L
     qkv, gu = fb.qkv, fb.gate_up
     nsplit, partials = attn_partials(M * fb.HKV, bufs[0][0].shape[2], fb.H // fb.HKV, fb.gb, fb.D)
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
-    kern, nblocks, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
-                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                        len(blocks))
+    kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
+                                       fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
+                                       len(blocks), stamps)
+    nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
     for j, (b, (kc, vc, after)) in enumerate(zip(blocks, bufs)):
@@ -750,9 +775,11 @@ def layers_launch(blocks, x, off, bufs):
                   (M, gu.out_features // 2)]
     dtypes_out = [x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype]
     extra = min(len(blocks) - 1, 2)   # r0, r1: the residual stream between the layers
-    outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out + [(M, K)] * extra,
-                output_dtypes=dtypes_out + [x.dtype] * extra, grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))
-    return outs[0], outs[3]
+    shapes_out += [(M, K)] * extra + ([(nblocks, 2)] if stamps else [])
+    dtypes_out += [x.dtype] * extra + ([mx.int64] if stamps else [])
+    outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out, output_dtypes=dtypes_out,
+                grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))
+    return (outs[0], outs[3], outs[-1], groups) if stamps else (outs[0], outs[3])
 
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: let it find ours, so a
 # prompt cache saved from a patched model (mlx_lm.cache_prompt, save_prompt_cache) loads again.

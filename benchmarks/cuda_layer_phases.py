@@ -1,0 +1,142 @@
+"""Where the time of the one-launch decoder layer goes: per phase, from every block's entry and
+end times (%globaltimer, ns) on MLX's CUDA backend.
+
+    python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
+        [--prompt 512] [--reps 20] [--out DIR]
+
+Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
+launches its first n fused layers (n per --layers) as one layer launch with stamps
+(mlx_fastops.backends.cuda.layers_launch(stamps=True)) over a KV cache of --prompt positions,
+--reps times. Per group of blocks (layer j, phase p), medians over the reps, in us from the
+launch's first block entry:
+  first in: the group's first block entry (blocks are dispatched in index order)
+  ready:    the previous group's last block end (this group's blocks may proceed from here on)
+  p90 end / end: when 90% / all of the group's blocks had ended
+  time:     end - ready, the group's share of the critical path; GB/s = its bytes (weights,
+            scales and biases; attention: the K/V rows) / time
+The stamps add a barrier per block and some registers: these are timings of an instrumented
+kernel (compare its total with cuda_trace.py's duration of the plain one).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
+
+
+def phase_rows(stamps, groups):
+    """One launch's stamps (int64 [blocks, 2]: entry, end) and blocks per group -> per group
+    (first in, ready, p90 end, end) in us from the first entry."""
+    st = np.asarray(stamps, dtype=np.int64)
+    t0 = st[:, 0].min()
+    rows, lo, ready = [], 0, 0.0
+    for n in groups:
+        g = (st[lo:lo + n] - t0) / 1e3
+        end = float(g[:, 1].max())
+        rows.append((float(g[:, 0].min()), ready, float(np.percentile(g[:, 1], 90)), end))
+        ready, lo = end, lo + n
+    return rows
+
+
+def median_rows(runs):
+    """Element-wise median over the runs' phase_rows."""
+    return [tuple(statistics.median(r[i][k] for r in runs) for k in range(4)) for i in range(len(runs[0]))]
+
+
+def phase_bytes(fb, batch, ctx):
+    """Bytes each phase of one layer must read: packed weights + scales + biases; attention: the
+    K and V rows of ctx positions."""
+    wb = lambda w: w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
+    kv = 2 * batch * fb.HKV * ctx * fb.D * 2   # bf16 K and V
+    return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
+
+
+def measure(name, nlayers, prompt, reps, batch=1):
+    import mlx.core as mx
+    import mlx_fastops
+    from mlx_fastops import synthetic_model
+    from mlx_fastops.backends import cuda as C
+
+    os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
+    model = synthetic_model(name, bits=4, layers=max(nlayers))
+    mlx_fastops.patch(model)
+    fbs = [layer.fast_fn for layer in model.model.layers]
+    fb = fbs[0]
+    S = -(-(prompt + 1) // C.StaticKVCache.step) * C.StaticKVCache.step
+    caches = [[mx.random.normal((batch, fb.HKV, S, fb.D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
+    x = mx.random.normal((batch, 1, model.args.hidden_size)).astype(mx.bfloat16)
+    mx.eval(caches, x)
+    off = C.offset_array(prompt)
+    nbytes = phase_bytes(fb, batch, prompt + 1)
+    out = []
+    for n in nlayers:
+        runs, groups = [], None
+        for r in range(reps + 3):   # 3 warm-up launches
+            _, _, st, groups = C.layers_launch(fbs[:n], x, off, [(kc, vc, kc) for kc, vc in caches[:n]], stamps=True)
+            mx.eval(st)
+            if r >= 3:
+                runs.append(phase_rows(np.array(st), groups))
+        rows = median_rows(runs)
+        table = []
+        for i, (first, ready, p90, end) in enumerate(rows):
+            t = end - ready
+            table.append({"layer": i // len(PHASES), "phase": PHASES[i % len(PHASES)], "blocks": groups[i],
+                          "first_in_us": first, "ready_us": ready, "p90_end_us": p90, "end_us": end, "time_us": t,
+                          "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
+        out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
+                    "total_us": rows[-1][3], "phases": table})
+    mlx_fastops.unpatch(model)
+    return out
+
+
+def markdown(results, meta):
+    lines = ["# One-launch decoder layer: time per phase (instrumented kernel)", "",
+             f"device {meta['device']}; mlx {meta['mlx']}; sources {meta['source']}; median of the reps; "
+             "us from the launch's first block entry.", ""]
+    for r in results:
+        lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
+                  f"{r['prompt']} cached positions: {r['total_us']:.1f} us", "",
+                  "| layer | phase | blocks | first in | ready | p90 end | end | time | GB/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for p in r["phases"]:
+            gbs = f"{p['GBs']:.0f}" if p["GBs"] else "-"
+            lines.append(f"| {p['layer']} | {p['phase']} | {p['blocks']} | {p['first_in_us']:.1f} | {p['ready_us']:.1f} | "
+                         f"{p['p90_end_us']:.1f} | {p['end_us']:.1f} | {p['time_us']:.1f} | {gbs} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    import mlx.core as mx
+    import mlx_lm  # noqa: F401
+    from cuda_bench import device_name, source_digest
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
+    ap.add_argument("--layers", default="1,4")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args()
+    if not mx.cuda.is_available():
+        sys.exit("cuda_layer_phases: MLX's CUDA backend is not available here")
+    meta = {"device": device_name(), "mlx": mx.__version__, "source": source_digest()}
+    nlayers = [int(n) for n in a.layers.split(",")]
+    results = [r for name in a.models.split(",") for r in measure(name, nlayers, a.prompt, a.reps)]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cuda_layer_phases.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "cuda_layer_phases.md").write_text(markdown(results, meta))
+    print(markdown(results, meta))
+
+
+if __name__ == "__main__":
+    main()
