@@ -354,8 +354,10 @@ __device__ __forceinline__ long long layer_now() {
 #endif
 }
 // Phase timing (layers_launch(stamps=True)): block b's entry and end times in stamps[2b], [2b+1];
-// the end is taken once the whole block is done, before it counts as arrived.
-__device__ __forceinline__ void layer_stamp(int64_t* stamps, long long t_enter) {
+// the end is taken once the whole block is done, before it counts as arrived. (A template: the
+// stamps' int64 type is MLX's to name.)
+template <typename I>
+__device__ __forceinline__ void layer_stamp(I* stamps, long long t_enter) {
   __syncthreads();
   if (threadIdx.x == 0) {
     stamps[2 * blockIdx.x] = t_enter;
