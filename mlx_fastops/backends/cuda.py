@@ -333,8 +333,8 @@ def decode_attention(q, k_cache, v_cache, length, scale):
 # One launch per decoder layer (default; MLX_FASTOPS_DISABLE=layer_kernel: 5 launches)
 # ---------------------------------------------------------------------------------------------
 
-# A decode step is bound by MLX's host cost per kernel node (~10 us), not by the GPU
-# (benchmarks/results/cuda_notes.md). This launch runs the 5 kernels of the fast path as 5 groups of
+# With 5 launches per layer a decode step was bound by MLX's host cost per kernel node (~10 us), not
+# by the GPU (benchmarks/results/cuda_notes.md). This launch runs the 5 kernels of the fast path as 5 groups of
 # blocks, in launch order; a block of group g first waits until every block of group g-1 has
 # finished (a global counter). Blocks are dispatched in increasing index order, so the blocks
 # waited for are already resident or done: no co-residency is needed. Each group's code is the
@@ -598,8 +598,9 @@ GROUP_MAX_WEIGHTS = 64 << 20
 
 
 class FastBlock:
-    """The fused decode path of one decoder block (see the module docstring): one launch, or (large
-    layers, or layer_kernel in `disabled`) the same 5 kernels as 5 launches."""
+    """The fused decode path of one decoder block (see the module docstring): one launch (of this
+    and up to 3 following blocks, in the compiled step, where group_layers), or (layer_kernel in
+    `disabled`) the same 5 kernels as 5 launches."""
 
     def __init__(self, block, disabled=()):
         attn, mlp = block._attention, block._mlp
