@@ -3,10 +3,12 @@
     python3 benchmarks/cuda_kernels.py [--out benchmarks/results/cuda_kernels]
 
 Each case builds a graph of CALLS independent calls (rotating over enough weight copies that the
-working set exceeds the 50 MB L2), evaluates it, and divides: time per call includes building the
-graph in Python and MLX's encoding of each node (~10 us per node in the decode-step trace), so for
-short kernels this is host cost, not GPU time (Qwen3-0.6B's QKV GEMV: 23 us here, while the fused
-norm+QKV+RoPE kernel took 7 us of GPU time in benchmarks/cuda_trace.py's decode-step timeline). Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
+working set exceeds the 50 MB L2), evaluates it, and divides. Two times per call: wall (building the
+graph in Python, MLX's encoding of each node (~10 us per node in the decode-step trace), and the
+GPU; for short kernels mostly host cost: Qwen3-0.6B's QKV GEMV took 23 us so, while the fused
+norm+QKV+RoPE kernel took 7 us of GPU time in the decode-step timeline), and GPU: the summed
+durations of the graph's kernels, recorded by CUPTI through torch.profiler (as benchmarks/cuda_trace.py
+does; without torch that column is left out). GB/s and speed-ups are of the GPU times where present. Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
 on cache slices; ours = cuda/gemv.cu / cuda/attention.cu. Bytes = weights + scales/biases + x + y
 (GEMV), K and V rows read (attention).
 """
@@ -24,11 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx
 import mlx_lm
 
+from cuda_bench import source_digest
 from mlx_fastops.backends import cuda as C
 from mlx_fastops.ops.weights import PackedLinear
 
 CALLS = 64
 REPS = 7
+WALL_ONLY = False
 
 
 def timeit(fn, reps=None):
@@ -43,6 +47,44 @@ def timeit(fn, reps=None):
         mx.synchronize()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def gpu_time(fn, reps=3):
+    """Median over reps of the summed kernel durations (s) of evaluating fn(), or None without torch
+    (or with --wall-only)."""
+    if WALL_ONLY:
+        return None
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    torch.cuda.synchronize()   # as cuda_trace.py does before profiling
+    mx.eval(fn())
+    mx.synchronize()
+    ts = []
+    for _ in range(reps):
+        outs = fn()   # built outside the profile: only the evaluation's kernels are recorded
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mx.eval(outs)
+            mx.synchronize()
+        ts.append(sum(e.time_range.end - e.time_range.start for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA) * 1e-6)
+    return statistics.median(ts)
+
+
+def timings(label, stock, ours, nbytes, **shape):
+    """One table row: wall and GPU time per call of stock and ours, GB/s of the GPU times (of the
+    wall times without torch)."""
+    row = {"case": label, **shape, "bytes": nbytes,
+           "stock_wall_us": timeit(stock) / CALLS * 1e6, "ours_wall_us": timeit(ours) / CALLS * 1e6}
+    gs, go = gpu_time(stock), gpu_time(ours)
+    if gs is not None:
+        row.update(stock_gpu_us=gs / CALLS * 1e6, ours_gpu_us=go / CALLS * 1e6)
+    key = "gpu" if gs is not None else "wall"
+    row.update(stock_GBs=nbytes / (row[f"stock_{key}_us"] * 1e-6) / 1e9,
+               ours_GBs=nbytes / (row[f"ours_{key}_us"] * 1e-6) / 1e9)
+    return row
 
 
 def copy_bandwidth():
@@ -81,10 +123,7 @@ def gemv_case(label, M, K, N, epi=0, bits=4, norm=False):
     def ours():
         return [C.gemv(x, ws[i % copies], epi=epi, norm=(nw, 1e-6) if norm else None) for i in range(CALLS)]
 
-    ts, to = timeit(stock) / CALLS, timeit(ours) / CALLS
-    nbytes = wbytes + x.nbytes + M * N * 2
-    return {"case": label, "M": M, "K": K, "N": N, "bits": bits, "stock_us": ts * 1e6, "ours_us": to * 1e6,
-            "stock_GBs": nbytes / ts / 1e9, "ours_GBs": nbytes / to / 1e9, "bytes": nbytes}
+    return timings(label, stock, ours, wbytes + x.nbytes + M * N * 2, M=M, K=K, N=N, bits=bits)
 
 
 def attn_case(label, H, HKV, D, length, S=None):
@@ -105,10 +144,7 @@ def attn_case(label, H, HKV, D, length, S=None):
     def ours():
         return [C.attention(q4, k, v, off, D ** -0.5) for k, v in (kvs[i % copies] for i in range(CALLS))]
 
-    ts, to = timeit(stock) / CALLS, timeit(ours) / CALLS
-    nbytes = 2 * B * HKV * length * D * 2
-    return {"case": label, "H": H, "HKV": HKV, "D": D, "length": length, "stock_us": ts * 1e6, "ours_us": to * 1e6,
-            "stock_GBs": nbytes / ts / 1e9, "ours_GBs": nbytes / to / 1e9, "bytes": nbytes}
+    return timings(label, stock, ours, 2 * B * HKV * length * D * 2, H=H, HKV=HKV, D=D, length=length)
 
 
 def main():
@@ -117,9 +153,10 @@ def main():
     ap.add_argument("--only", default="", help="run the cases whose label contains this")
     ap.add_argument("--calls", type=int, default=64, help="calls per graph (1 for a profiler)")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--wall-only", action="store_true", help="no CUPTI GPU times (under ncu, which holds CUPTI)")
     a = ap.parse_args()
-    global CALLS, REPS
-    CALLS, REPS = a.calls, a.reps
+    global CALLS, REPS, WALL_ONLY
+    CALLS, REPS, WALL_ONLY = a.calls, a.reps, a.wall_only
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
@@ -145,18 +182,32 @@ def main():
         rows.append(r)
         print(r, flush=True)
     dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    meta = {"device": dev, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "copy_GBs": bw, "calls_per_graph": CALLS}
+    meta = {"device": dev, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "copy_GBs": bw, "calls_per_graph": CALLS,
+            "reps": REPS, "source": source_digest()}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# CUDA kernel microbenchmarks", "", f"device {dev}; mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}; "
-             f"measured copy bandwidth {bw:.0f} GB/s; {CALLS} calls per evaluated graph, median of 7.", "",
-             "| case | stock us | ours us | stock GB/s | ours GB/s | ours % of copy BW | speed-up |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    out.with_suffix(".md").write_text(markdown(rows, meta))
+    print(markdown(rows, meta))
+
+
+def markdown(rows, meta):
+    bw = meta["copy_GBs"]
+    gpu = all("ours_gpu_us" in r for r in rows)
+    key = "gpu" if gpu else "wall"
+    lines = [f"# CUDA kernel microbenchmarks", "", f"device {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; "
+             f"sources {meta['source']}; measured copy bandwidth {bw:.0f} GB/s; {meta['calls_per_graph']} calls per "
+             f"evaluated graph; wall: median of {meta['reps']}" + ("; GPU: summed kernel durations (CUPTI), median of 3"
+                                                           if gpu else "") + f". GB/s and speed-up of the {key} times.", "",
+             "| case | stock wall us | ours wall us |" + (" stock GPU us | ours GPU us |" if gpu else "") +
+             " stock GB/s | ours GB/s | ours % of copy BW | speed-up |",
+             "| --- | --- | --- |" + (" --- | --- |" if gpu else "") + " --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['stock_us']:.1f} | {r['ours_us']:.1f} | {r['stock_GBs']:.0f} | {r['ours_GBs']:.0f} | "
-                     f"{100 * r['ours_GBs'] / bw:.0f}% | {r['stock_us'] / r['ours_us']:.2f}x |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        g = f" {r['stock_gpu_us']:.1f} | {r['ours_gpu_us']:.1f} |" if gpu else ""
+        lines.append(f"| {r['case']} | {r['stock_wall_us']:.1f} | {r['ours_wall_us']:.1f} |{g} {r['stock_GBs']:.0f} | "
+                     f"{r['ours_GBs']:.0f} | {100 * r['ours_GBs'] / bw:.0f}% | "
+                     f"{r[f'stock_{key}_us'] / r[f'ours_{key}_us']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

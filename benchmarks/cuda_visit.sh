@@ -27,7 +27,7 @@ case "$mode" in
   ncu)
     timeout 150 ncu --clock-control none -k regex:fastops --launch-count 40 --section SpeedOfLight \
       --section WarpStateStats --section Occupancy --section LaunchStats \
-      python3 benchmarks/cuda_kernels.py --only 0.6B --calls 1 --reps 1 --out "$OUT/ncu_kernels" > "$OUT/ncu.log" 2>&1
+      python3 benchmarks/cuda_kernels.py --only 0.6B --calls 1 --reps 1 --wall-only --out "$OUT/ncu_kernels" > "$OUT/ncu.log" 2>&1
     grep -E "fastops|Duration|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Grid Size" "$OUT/ncu.log" | head -120 ;;
   bench)
     timeout 400 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
