@@ -4,7 +4,7 @@
 #   bash benchmarks/cuda_visit.sh models   # pytest -m cuda tests/test_cuda_models.py (~5.5 min)
 #   bash benchmarks/cuda_visit.sh trace    # kernel timeline of Qwen3-0.6B decode, stock vs patched (~1 min)
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
-#   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models (~2-5 min)
+#   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models, 4 repetitions (~6 min)
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
 #   bash benchmarks/cuda_visit.sh layer    # the layer-launch kernel tests (~4 min)
 #   bash benchmarks/cuda_visit.sh variants # bench beside the variants without layer_groups / layer_kernel (~6 min)
@@ -30,7 +30,7 @@ case "$mode" in
       python3 benchmarks/cuda_kernels.py --only 0.6B --calls 1 --reps 1 --wall-only --out "$OUT/ncu_kernels" > "$OUT/ncu.log" 2>&1
     grep -E "fastops|Duration|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Grid Size" "$OUT/ncu.log" | head -120 ;;
   bench)
-    timeout 400 python3 benchmarks/cuda_bench.py --reps 2 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
+    timeout 560 python3 benchmarks/cuda_bench.py --reps 4 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
       --out benchmarks/results/cuda_bench > "$OUT/bench.log" 2>&1
     tail -32 "$OUT/bench.log"; cp benchmarks/results/cuda_bench.* "$OUT/" ;;
   kernels)
