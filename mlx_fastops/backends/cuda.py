@@ -589,11 +589,11 @@ def _as_packed(m):
 
 
 # One launch per layer, with its GEMV phases starting their weights before they wait and attention
-# blocks of 2 query heads, was faster than 5 launches on the H200 for every model measured (Qwen3-8B
-# 1.03-1.38x in 4 of 4 side-by-side comparisons; Qwen3-4B 0.84-1.38x, mean 1.09x, within the
-# run-to-run noise). Several layers per launch (layer_groups) wins on
-# small layers (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x) and loses on
-# large ones (Qwen3-4B 96M, 8B 184M: ~0.9x), hence the bound. benchmarks/results/cuda_notes.md.
+# blocks of 2 query heads, was on average faster than 5 launches on the H200 for every model
+# measured (Qwen3-8B 1.03-1.38x in 4 of 4 side-by-side comparisons; Qwen3-4B 0.84-1.38x, mean
+# 1.09x, within the run-to-run noise). Several layers per launch (layer_groups) wins on small layers
+# (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x) and loses on large ones
+# (Qwen3-4B 96M, 8B 184M: ~0.9x), hence the bound. benchmarks/results/cuda_notes.md.
 GROUP_MAX_WEIGHTS = 64 << 20
 
 
