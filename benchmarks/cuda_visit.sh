@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device visit (after `source .device-wheels/b/install.sh`); logs go to $OUT. Usage:
-#   bash benchmarks/cuda_visit.sh tests    # pytest -m cuda tests/test_cuda_kernels.py (~6 min: NVRTC ~3 s per variant)
-#   bash benchmarks/cuda_visit.sh models   # pytest -m cuda tests/test_cuda_models.py (~5.5 min)
+#   bash benchmarks/cuda_visit.sh tests    # pytest -m cuda tests/test_cuda_kernels.py (7.4 min in one process)
+#   bash benchmarks/cuda_visit.sh models   # pytest -m cuda tests/test_cuda_models.py (6 min in one process)
+# The test modes spread over 4 pytest-xdist workers where it is installed (the H200 image has it;
+# NVRTC compiles, ~3 s per kernel variant, run on the CPU).
 #   bash benchmarks/cuda_visit.sh trace    # kernel timeline of Qwen3-0.6B decode, stock vs patched (~1 min)
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
 #   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models, 4 repetitions (~6 min)
@@ -13,13 +15,14 @@ set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 case "$mode" in
   tests)
-    timeout 560 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
+    timeout 560 python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
     tail -n 8 "$OUT/test_kernels.log" ;;
   models)
-    timeout 420 python3 -m pytest -m cuda -q -s -rf tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
+    timeout 420 python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
     grep -E "row|passed|failed|FAILED" "$OUT/test_models.log" | tail -n 60 ;;
   trace)
     timeout 150 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1
@@ -37,7 +40,7 @@ case "$mode" in
     timeout 150 python3 benchmarks/cuda_kernels.py --out benchmarks/results/cuda_kernels > "$OUT/kernels.log" 2>&1
     tail -25 "$OUT/kernels.log"; cp benchmarks/results/cuda_kernels.* "$OUT/" ;;
   layer)
-    timeout 300 python3 -m pytest -m cuda -q -rf tests/test_cuda_kernels.py -k \
+    timeout 300 python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py -k \
       "one_launch or tiny_model or causal or layer_groups or layers_in" -p no:cacheprovider > "$OUT/test_layer.log" 2>&1
     tail -n 5 "$OUT/test_layer.log" ;;
   variants)
