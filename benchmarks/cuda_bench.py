@@ -7,8 +7,8 @@
 Copies of each synthetic model (same seed, so the same weights) are built: one stays stock, one
 is patched (MLX_FASTOPS_BACKEND=cuda, the defaults), and per --disable NAMES (repeatable) one more
 is patched with those fusions off (e.g. --disable layer_kernel: 5 launches per layer; --disable
-layer_groups). Each repetition runs every variant (the order rotates between repetitions) through mlx_lm.generate.generate_step, mlx-lm's own decode loop
-(greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
+layer_groups). Each repetition runs every variant (the order rotates between repetitions) through
+mlx_lm.generate.generate_step, mlx-lm's own decode loop (greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
 definition), decode tok/s = (gen - 1) / time from the first to the last token. Reports median and
 spread (min-max), the ratio, greedy agreement of the two runs, and a host/GPU split of one decode
 step: Python graph-building time (model call, no evaluation) vs time to evaluate it.

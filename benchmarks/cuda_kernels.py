@@ -7,10 +7,11 @@ working set exceeds the 50 MB L2), evaluates it, and divides. Two times per call
 graph in Python, MLX's encoding of each node (~10 us per node in the decode-step trace), and the
 GPU; for short kernels mostly host cost: Qwen3-0.6B's QKV GEMV took 23 us so, while the fused
 norm+QKV+RoPE kernel took 7 us of GPU time in the decode-step timeline), and GPU: the summed
-durations of the graph's kernels, recorded by CUPTI through torch.profiler (as benchmarks/cuda_trace.py
-does; without torch that column is left out). GB/s and speed-ups are of the GPU times where present. Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
-on cache slices; ours = cuda/gemv.cu / cuda/attention.cu. Bytes = weights + scales/biases + x + y
-(GEMV), K and V rows read (attention).
+durations of the graph's kernels, recorded by CUPTI through torch.profiler (cuda_trace.kernels_of;
+without torch that column is left out). GB/s and speed-ups are of the GPU times where present.
+Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention on cache slices;
+ours = cuda/gemv.cu / cuda/attention.cu. Bytes = weights + scales/biases + x + y (GEMV), K and V
+rows read (attention).
 """
 
 import argparse
@@ -57,6 +58,7 @@ def gpu_time(fn, reps=3):
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
+        from cuda_trace import kernels_of
     except ImportError:
         return None
     torch.cuda.synchronize()   # as cuda_trace.py does before profiling
@@ -68,8 +70,7 @@ def gpu_time(fn, reps=3):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             mx.eval(outs)
             mx.synchronize()
-        ts.append(sum(e.time_range.end - e.time_range.start for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA) * 1e-6)
+        ts.append(sum(end - start for _, start, end in kernels_of(prof)) * 1e-6)
     return statistics.median(ts)
 
 

@@ -83,7 +83,7 @@
   };
   if (lane * EPW < K) load_w(lane * EPW);
 #ifdef WAIT_INPUTS
-  // A phase of the one-launch layer (experiment layer_prefetch): the weights do not depend on the
+  // A phase of the one-launch layer (layer_prefetch): the weights do not depend on the
   // earlier phases, so this warp's rows (and their scales/biases) are sent on to L2 before the
   // block waits for its inputs. Nothing above reads x, res or any earlier phase's output.
 #pragma unroll

@@ -336,8 +336,11 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
 @pytest.mark.parametrize("name,batch,L,prefetch", [("qwen3-tiny", 1, 1, False), ("llama-tiny", 2, 2, True),
                                                    ("qwen2-tiny", 1, 1, True)])
 def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monkeypatch):
-    """Both layers of a tiny model in one launch (layer_groups; the residual stream
-    between them in scratch outputs) compute exactly what one launch per layer computes."""
+    """Both layers of a tiny model in one launch (layer_groups; the residual stream between them
+    in scratch outputs) compute exactly what one launch per layer computes; so does the launch with
+    phase stamps (layers_launch(stamps=True), which benchmarks/cuda_layer_phases.py reads), whose
+    every block is stamped, entry before end, and ends after every block of the group before it
+    (its wait), across both layers; the benchmark's per-phase table of them is ordered the same way."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -354,58 +357,28 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
         off = C.offset_array(P)
         results = []
-        for together in (False, True):
+        for mode in ("per layer", "together", "stamped"):
             bufs = [(kc + 0, vc + 0) for kc, vc in caches]
             mx.eval(bufs)
-            if together:
-                out, o = C.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs])
-            else:
+            if mode == "per layer":
                 out = x
                 for fb, (kc, vc) in zip(fbs, bufs):
                     out, o = fb.core(out, off, kc, vc, kc)
+            else:
+                out, o, *stamped = C.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs],
+                                                   stamps=mode == "stamped")
             mx.eval(out, o)
             results.append((out, o, bufs))
         assert not np.asarray(fbs[0].layer_counters(2)).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)
-    (out1, o1, bufs1), (out2, o2, bufs2) = results
+    (out1, o1, bufs1), *launched = results
     assert np.isfinite(np.asarray(out1.astype(mx.float32))).all()
-    assert mx.array_equal(out1, out2) and mx.array_equal(o1, o2)   # o: the last layer's attention
-    for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
-        assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
-
-
-def test_layer_phase_stamps(monkeypatch):
-    """layers_launch(stamps=True), which benchmarks/cuda_layer_phases.py reads: the same outputs and
-    cache rows as without; every block stamped, entry before end; every block of a group ends
-    after every block of the group before it (its wait), across both layers of the launch; and
-    the benchmark's per-phase table of those stamps is ordered the same way."""
-    from mlx_fastops import synthetic_model
-    import mlx_fastops
-
-    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=6)
-    mlx_fastops.patch(model, disable=("compile",))
-    try:
-        fbs = [layer.fast_fn for layer in model.model.layers]
-        HKV, D = fbs[0].HKV, fbs[0].D
-        caches = [[mx.random.normal((1, HKV, 512, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
-        x = mx.random.normal((1, 1, model.args.hidden_size)).astype(mx.bfloat16)
-        off = C.offset_array(280)
-        results = []
-        for stamps in (False, True):
-            bufs = [(kc + 0, vc + 0) for kc, vc in caches]
-            mx.eval(bufs)
-            res = C.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs], stamps=stamps)
-            mx.eval(res[:3])
-            results.append((res, bufs))
-    finally:
-        mlx_fastops.unpatch(model)
-    ((out1, o1), bufs1), ((out2, o2, st, groups), bufs2) = results
-    assert mx.array_equal(out1, out2) and mx.array_equal(o1, o2)
-    for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
-        assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
-    st = np.asarray(st)
+    for out2, o2, bufs2 in launched:
+        assert mx.array_equal(out1, out2) and mx.array_equal(o1, o2)   # o: the last layer's attention
+        for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
+            assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
+    st, groups = np.asarray(stamped[0]), stamped[1]
     assert len(groups) == 2 * C.LAYER_GROUPS and st.shape == (sum(groups), 2)
     assert (st != 0x7F7F7F7F7F7F7F7F).all() and (st[:, 0] < st[:, 1]).all(), "a block was not stamped"
     bounds = np.cumsum([0, *groups])
