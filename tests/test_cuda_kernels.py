@@ -388,7 +388,8 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from cuda_layer_phases import phase_rows
     rows = phase_rows(st, groups)
-    assert len(rows) == len(groups) and rows[0][0] == 0.0
+    # blocks of several groups enter within one tick of the first: the earliest is any group's
+    assert len(rows) == len(groups) and min(r[0] for r in rows) == 0.0
     for (first, ready, p90, end), prev in zip(rows, [(0, 0, 0, 0.0)] + rows):
         assert ready == prev[3] and first <= p90 <= end and end > ready
 
