@@ -103,19 +103,19 @@ def attn_case(dtype, L, H, HKV, D):
     return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
 
 
-def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False):
+def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, min_blocks=None):
     """The one-launch decoder layer(s) (C._layer_build), captured instead of built."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
-                                  gb, prefetch, prefetch, nlayers, stamps)
+                                  gb, prefetch, prefetch, nlayers, stamps, min_blocks)
     T = C._CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
         "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") else ("float" if base(n) == "rf" else T))
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
-    return wrap(f"layer_m{M}", kw["source"], ins, outs, kw["header"]), 128
+    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128
 
 
 def cases():
@@ -132,6 +132,11 @@ def cases():
     yield "layers x4 qwen3-0.6b M1", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4)
     yield "layers x4 qwen3-0.6b M1 stamps", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4,
                                                        stamps=True)
+    for b in (5, 6, 8):
+        yield f"layers x4 qwen3-0.6b M1 minb{b}", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True,
+                                                             nlayers=4, min_blocks=b)
+        yield f"layer qwen3-4b M1 gb2 minb{b}", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2,
+                                                           min_blocks=b)
     g8 = {**q06, "H": 64, "HKV": 8}     # GQA 8, D 128: the largest attention phase
     yield "layer G8 D128 M8", layer_case(8, g8, 4, ((4, 64, 10240, 4096), (4, 64, 4096, 8192),
                                                     (4, 64, 28672, 4096), (4, 64, 4096, 14336)))

@@ -395,6 +395,9 @@ __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
 """
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
+# Blocks per SM the layer launch's registers must allow (__launch_bounds__; None: the compiler's
+# choice, which the hungriest phase sets: 99 registers for 4 Qwen3-0.6B layers, 4 blocks per SM).
+LAYER_MIN_BLOCKS = None
 
 _PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "cnt": "const int32_t*", "ctr": "const int32_t*",
            "rf": "const float*", "wait_g": "int", "wait_n": "int",
@@ -419,7 +422,7 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, stamps=False):
+                 wait_load=False, nlayers=1, stamps=False, min_blocks=None):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -513,7 +516,15 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
     outputs += ["stamps"] if stamps else []
-    kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs, output_names=outputs,
+    name = _name("layer", header + body + str(min_blocks))
+    if min_blocks:
+        # MLX writes `__global__ void custom_kernel_<name>(`; this macro makes it the documented
+        # `__global__ void __launch_bounds__(128, B) custom_kernel_<name>(` (registers capped so
+        # that B blocks fit on an SM); the body undefines it before NVRTC looks the name up.
+        k = f"custom_kernel_{name}"
+        header += f"#define {k} __launch_bounds__(128, {min_blocks}) {k}\n"
+        body = f"#undef {k}\n" + body
+    kern = cuda_kernel(name=name, input_names=inputs, output_names=outputs,
                        header=header, source=body, ensure_row_contiguous=False)
     return kern, groups, inputs
 
@@ -767,7 +778,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                       len(blocks), stamps)
+                                       len(blocks), stamps, LAYER_MIN_BLOCKS)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
