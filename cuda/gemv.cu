@@ -105,11 +105,19 @@
     float ss[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) ss[m] = 0.f;
-    for (int k = threadIdx.x; k < K; k += NW * 32) {
+    // 16-byte loads (K is a multiple of the group size, so of 16 / sizeof(T)): the prologue is
+    // on every block's critical path
+    constexpr int XP = 16 / (int)sizeof(T);
+    for (int k = threadIdx.x * XP; k < K; k += NW * 32 * XP) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const float t = static_cast<float>(x[m * K + k]);
-        ss[m] += t * t;
+        alignas(16) T tmp[XP];
+        *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+#pragma unroll
+        for (int j = 0; j < XP; ++j) {
+          const float t = static_cast<float>(tmp[j]);
+          ss[m] += t * t;
+        }
       }
     }
 #pragma unroll

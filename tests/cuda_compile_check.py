@@ -132,11 +132,6 @@ def cases():
     yield "layers x4 qwen3-0.6b M1", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4)
     yield "layers x4 qwen3-0.6b M1 stamps", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4,
                                                        stamps=True)
-    for b in (5, 6, 8):
-        yield f"layers x4 qwen3-0.6b M1 minb{b}", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True,
-                                                             nlayers=4, min_blocks=b)
-        yield f"layer qwen3-4b M1 gb2 minb{b}", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2,
-                                                           min_blocks=b)
     g8 = {**q06, "H": 64, "HKV": 8}     # GQA 8, D 128: the largest attention phase
     yield "layer G8 D128 M8", layer_case(8, g8, 4, ((4, 64, 10240, 4096), (4, 64, 4096, 8192),
                                                     (4, 64, 28672, 4096), (4, 64, 4096, 14336)))
