@@ -2,7 +2,7 @@
 end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
-        [--prompt 512] [--reps 20] [--attn-blocks 264,132] [--min-blocks 0,6]
+        [--prompt 512] [--reps 20] [--attn-blocks 264,132] [--disable '' --disable NAMES]
         [--out DIR]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
@@ -19,7 +19,7 @@ The stamps add a barrier per block and some registers: these are timings of an i
 kernel (on the H200 its total came within 10% of the plain kernel's CUPTI duration in
 cuda_trace.py: 33.4 vs 37.3 us for one Qwen3-0.6B layer, 175.7 vs 178.7 us for four).
 One set of tables per --attn-blocks (ATTN_TARGET_BLOCKS, hence the splits of the sequence) and
---min-blocks (LAYER_MIN_BLOCKS: blocks per SM the registers must allow); a summary comes last.
+--disable set (patched without those switches, e.g. layer_wide_warps); a summary comes last.
 """
 
 import argparse
@@ -63,7 +63,7 @@ def phase_bytes(fb, batch, ctx):
     return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
 
 
-def measure(name, nlayers, prompt, reps, attn_blocks, min_blocks, batch=1):
+def measure(name, nlayers, prompt, reps, attn_blocks, disable, batch=1):
     import mlx.core as mx
     import mlx_fastops
     from mlx_fastops import synthetic_model
@@ -71,7 +71,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, min_blocks, batch=1):
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
-    mlx_fastops.patch(model)
+    mlx_fastops.patch(model, disable=disable)
     fbs = [layer.fast_fn for layer in model.model.layers]
     fb = fbs[0]
     S = -(-(prompt + 1) // C.StaticKVCache.step) * C.StaticKVCache.step
@@ -81,9 +81,8 @@ def measure(name, nlayers, prompt, reps, attn_blocks, min_blocks, batch=1):
     off = C.offset_array(prompt)
     nbytes = phase_bytes(fb, batch, prompt + 1)
     out = []
-    for target, minb, n in [(t, b, n) for t in attn_blocks for b in min_blocks for n in nlayers]:
+    for target, n in [(t, n) for t in attn_blocks for n in nlayers]:
         C.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads))
-        C.LAYER_MIN_BLOCKS = minb
         nsplit = C.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
         bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
         # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
@@ -104,9 +103,9 @@ def measure(name, nlayers, prompt, reps, attn_blocks, min_blocks, batch=1):
                           "first_in_us": first, "ready_us": ready, "p90_end_us": p90, "end_us": end, "time_us": t,
                           "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
         out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
-                    "attn_target_blocks": target, "attn_splits": nsplit, "min_blocks": minb,
+                    "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                     "total_us": rows[-1][3], "phases": table})
-    C.ATTN_TARGET_BLOCKS, C.LAYER_MIN_BLOCKS = attn_blocks[0], min_blocks[0]
+    C.ATTN_TARGET_BLOCKS = attn_blocks[0]
     mlx_fastops.unpatch(model)
     return out
 
@@ -115,14 +114,15 @@ def markdown(results, meta):
     lines = ["# One-launch decoder layer: time per phase (instrumented kernel)", "",
              f"device {meta['device']}; mlx {meta['mlx']}; sources {meta['source']}; median of the reps; "
              "us from the launch's first block entry.", ""]
-    summary = ["| model | layers per launch | attention splits | min blocks per SM | instrumented us | us per layer |",
+    summary = ["| model | layers per launch | attention splits | disabled | instrumented us | us per layer |",
                "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        summary.append(f"| {r['model']} | {r['layers']} | {r['attn_splits']} | {r['min_blocks'] or '-'} | "
+        off = ",".join(r["disabled"]) or "-"
+        summary.append(f"| {r['model']} | {r['layers']} | {r['attn_splits']} | {off} | "
                        f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} |")
         lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
                   f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
-                  f"min blocks per SM {r['min_blocks'] or '-'}: "
+                  f"disabled {off}: "
                   f"{r['total_us']:.1f} us", "",
                   "| layer | phase | blocks | first in | ready | p90 end | end | time | GB/s |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -146,18 +146,18 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--attn-blocks", default="264",
                     help="attention blocks to aim for (ATTN_TARGET_BLOCKS), comma-separated: one table each")
-    ap.add_argument("--min-blocks", default="0",
-                    help="blocks per SM the layer launch's registers must allow (LAYER_MIN_BLOCKS; 0: "
-                         "the compiler's choice), comma-separated: one table each")
+    ap.add_argument("--disable", action="append", default=None,
+                    help="comma-separated switches (mlx_fastops.FUSIONS) to patch without; repeatable: "
+                         "one set of tables each ('' for the defaults)")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_layer_phases: MLX's CUDA backend is not available here")
     meta = {"device": device_name(), "mlx": mx.__version__, "source": source_digest()}
     nlayers = [int(n) for n in a.layers.split(",")]
-    results = [r for name in a.models.split(",") for r in measure(name, nlayers, a.prompt, a.reps,
-                                                                 [int(t) for t in a.attn_blocks.split(",")],
-                                                                 [int(b) or None for b in a.min_blocks.split(",")])]
+    targets = [int(t) for t in a.attn_blocks.split(",")]
+    results = [r for name in a.models.split(",") for d in (a.disable or [""])
+               for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n])]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cuda_layer_phases.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -103,19 +103,20 @@ def attn_case(dtype, L, H, HKV, D):
     return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
 
 
-def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, min_blocks=None):
-    """The one-launch decoder layer(s) (C._layer_build), captured instead of built."""
+def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False):
+    """The one-launch decoder layer(s) (C._layer_build), captured instead of built; with prefetch,
+    every variant of the default (load polling, wide warps) too."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
-                                  gb, prefetch, prefetch, nlayers, stamps, min_blocks)
+                                  gb, prefetch, prefetch, nlayers, stamps, prefetch)
     T = C._CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
         "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") else ("float" if base(n) == "rf" else T))
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
-    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128
+    return wrap(f"layer_m{M}", kw["source"], ins, outs, kw["header"]), 128
 
 
 def cases():
@@ -129,6 +130,12 @@ def cases():
     shapes4b = ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728))
     yield "layer qwen3-4b M1", layer_case(1, {**q06, "H": 32}, 33, shapes4b)
     yield "layer qwen3-4b M1 gb2", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2)
+    shapes8b = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
+    yield "layer qwen3-8b M1 gb2", layer_case(1, {**q06, "H": 32}, 17, shapes8b, prefetch=True, gb=2)
+    llama1b = {**q06, "D": 64, "H": 32, "L": 1, "qknorm": False, "freqs": True}
+    yield "layer llama-1b M1 gb2", layer_case(1, llama1b, 33, ((4, 64, 3072, 2048), (4, 64, 2048, 2048),
+                                                                (4, 64, 16384, 2048), (4, 64, 2048, 8192)),
+                                              prefetch=True, gb=2)
     yield "layers x4 qwen3-0.6b M1", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4)
     yield "layers x4 qwen3-0.6b M1 stamps", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4,
                                                        stamps=True)
