@@ -160,7 +160,9 @@ def markdown(results, meta):
     lines = [f"# CUDA benchmark: stock mlx-lm vs mlx_fastops (patched)", "",
              f"device: {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; commit {meta['commit']} "
              f"(sources {meta.get('source', '?')}); "
-             f"{meta['reps']} rotating repetitions, median (min-max).", "",
+             f"{meta['reps']} rotating repetitions, median (min-max)"
+             + (f"; MLX_FASTOPS_DISABLE={meta['MLX_FASTOPS_DISABLE']}" if meta.get("MLX_FASTOPS_DISABLE") else "")
+             + ".", "",
              f"| model | test | stock tok/s |{cols} greedy agreement with stock (first diff / gen) |",
              "| --- | --- | --- |" + " --- | --- |" * (len(tags) - 1) + " --- |"]
     fmt = lambda s: f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})"
@@ -202,7 +204,7 @@ def main():
         commit += "+uncommitted"   # the device gets a working tree whose HEAD may be older
     meta = {"device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "python": platform.python_version(), "commit": commit or "?", "source": source_digest(),
-            "reps": a.reps, "gen": a.gen,
+            "reps": a.reps, "gen": a.gen, "MLX_FASTOPS_DISABLE": os.environ.get("MLX_FASTOPS_DISABLE", ""),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     log = lambda s: print(s, flush=True)
     log(json.dumps(meta))

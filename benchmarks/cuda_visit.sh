@@ -48,7 +48,7 @@ case "$mode" in
       --disable layer_groups --disable layer_kernel --out "$OUT/bench_variants" > "$OUT/bench_variants.log" 2>&1
     tail -n 30 "$OUT/bench_variants.log" ;;
   phases)
-    timeout 300 python3 benchmarks/cuda_layer_phases.py --layers 4,1 --disable "" --disable layer_wide_warps --out "$OUT" > "$OUT/phases.log" 2>&1
+    timeout 300 python3 benchmarks/cuda_layer_phases.py --layers 4,1 --out "$OUT" > "$OUT/phases.log" 2>&1
     tail -n 60 "$OUT/phases.log" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

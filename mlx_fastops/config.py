@@ -31,8 +31,6 @@ FUSIONS = {
                       "registers, its rows into L2) before it waits for the previous phase",
     "layer_wait_load": "CUDA one-launch layer: blocks poll the previous phase's counter with loads "
                        "(off: atomic read-modify-writes, which queue with that phase's arrivals)",
-    "layer_wide_warps": "CUDA one-launch layer, batch 1: GEMV phases of more than 1024 warps take up to "
-                        "4 weight rows per warp (fewer blocks: a phase fits in one wave)",
     "attn_head_split": "CUDA one-launch layer: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
     "qkv_kernel": "GPU kernel of the fused Q/K/V op (off: stacked weights + one stock quantized_matmul)",

@@ -309,14 +309,12 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
     """The one-launch decoder layer, without and with layer_prefetch (GEMV phases wait inside,
     after sending their weights on) and layer_wait_load (waits poll with loads), computes exactly
     what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache
-    rows, bit for bit; so does it with all of them and layer_wide_warps (more rows per warp; the
-    phase-size threshold lowered so that every phase of a tiny model widens at batch 1). Where G
-    allows, again with attention blocks of 2 query heads (attn_head_split)."""
+    rows, bit for bit; so does it with both. Where G allows, again with attention blocks of 2 query
+    heads (attn_head_split)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    monkeypatch.setattr(C, "LAYER_PHASE_WARPS", 16)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
     mlx_fastops.patch(model, disable=("compile",))
     try:
@@ -330,9 +328,9 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
         G = fb.H // fb.HKV
         results = {}
         for fb.gb in sorted({G, 2 if G % 2 == 0 else G}):
-            for fb.one_launch, fb.prefetch, fb.wait_load, fb.wide in (
-                    (False, False, False, False), (True, False, False, False), (True, True, False, False),
-                    (True, False, True, False), (True, True, True, True)):
+            for fb.one_launch, fb.prefetch, fb.wait_load in ((False, False, False), (True, False, False),
+                                                             (True, True, False), (True, False, True),
+                                                             (True, True, True)):
                 kc, vc = k0 + 0, v0 + 0
                 mx.eval(kc, vc)
                 out, o = fb.core(x, off, kc, vc, kc)

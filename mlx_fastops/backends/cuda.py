@@ -417,28 +417,9 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
     return f"__device__ void {fname}({', '.join(params)}) {{\n{body}\n}}\n{undef}\n"
 
 
-LAYER_PHASE_WARPS = 1024   # layer_wide_warps: about half the warps an H200 holds at 4 blocks per SM
-
-
-def layer_rows(M, N, epi, R, nw, D):
-    """Rows per warp of a GEMV phase in the layer launch (layer_wide_warps): R doubled while the
-    phase has more than LAYER_PHASE_WARPS warps, up to 4 weight rows per warp, batch 1 only.
-
-    The phases wait for each other, and a phase's blocks that are not resident when it may start
-    arrive later with cold weights: a phase in one wave of blocks is shorter (on the H200, Qwen3-0.6B's
-    QKV phase of 512 blocks took 10.5 us in the 4-layer launch, where the previous layer's blocks
-    held slots, and 6.9 us alone). Per row the arithmetic is unchanged; 4 Qwen3-0.6B layers take
-    128 registers with it, still 4 blocks per SM."""
-    rows = lambda r: 2 * r if epi == 2 else r   # gate/up: each output row reads 2 weight rows
-    while (M == 1 and gemv_blocks(N, epi, R, nw) * nw > LAYER_PHASE_WARPS and rows(2 * R) <= 4
-           and (epi != 3 or D % (nw * 2 * R) == 0)):   # the head phase's blocks tile a head
-        R *= 2
-    return R
-
-
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, stamps=False, wide=False):
+                 wait_load=False, nlayers=1, stamps=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -446,8 +427,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     block. prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu (WAIT_INPUTS), once
     their weights are on the way, instead of before they start; wait_load (layer_wait_load):
     waits poll with loads instead of atomics; stamps: an extra output with each block's entry and
-    end times (layer_stamp); wide (layer_wide_warps): GEMV phases with more rows per warp
-    (layer_rows). Inputs of layer j carry the suffix j (x, off, the tickets and the
+    end times (layer_stamp). Inputs of layer j carry the suffix j (x, off, the tickets and the
     counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
     r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -459,8 +439,6 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi)
-        if wide:
-            R = layer_rows(M, N, epi, R, nw, D)
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         if prefetch:
@@ -658,7 +636,6 @@ class FastBlock:
         variant = lambda name: self.one_launch and name not in disabled
         self.prefetch = variant("layer_prefetch")
         self.wait_load = variant("layer_wait_load")
-        self.wide = variant("layer_wide_warps")
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -761,7 +738,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.wide)
+                self.prefetch, self.wait_load)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -790,7 +767,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                       len(blocks), stamps, fb.wide)
+                                       len(blocks), stamps)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
