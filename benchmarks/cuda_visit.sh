@@ -2,15 +2,16 @@
 # One device visit (after `source .device-wheels/b/install.sh`); logs go to $OUT. Usage:
 #   bash benchmarks/cuda_visit.sh tests    # pytest -m cuda tests/test_cuda_kernels.py (7.4 min in one process)
 #   bash benchmarks/cuda_visit.sh models   # pytest -m cuda tests/test_cuda_models.py (6 min in one process)
+#   bash benchmarks/cuda_visit.sh correctness  # both suites side by side (~3.5 min on the H200 with xdist)
 # The test modes spread over 4 pytest-xdist workers where it is installed (the H200 image has it;
 # NVRTC compiles, ~3 s per kernel variant, run on the CPU).
 #   bash benchmarks/cuda_visit.sh trace    # kernel timeline of Qwen3-0.6B decode, stock vs patched (~1 min)
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
-#   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models, 4 repetitions (~6 min)
+#   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models, 4 repetitions (~2.5 min: 105 s at 3)
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
 #   bash benchmarks/cuda_visit.sh layer    # the layer-launch kernel tests (~4 min)
 #   bash benchmarks/cuda_visit.sh variants # bench beside the variants without layer_groups / layer_kernel (~6 min)
-#   bash benchmarks/cuda_visit.sh phases   # time per phase inside the layer launch, Qwen3-0.6B and 8B (~1-2 min)
+#   bash benchmarks/cuda_visit.sh phases   # time per phase inside the layer launch, Qwen3-0.6B and 8B (~1.5 min)
 set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
@@ -24,6 +25,11 @@ case "$mode" in
   models)
     timeout 420 python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
     grep -E "row|passed|failed|FAILED" "$OUT/test_models.log" | tail -n 60 ;;
+  correctness)
+    bash "$0" tests > "$OUT/visit_tests.txt" 2>&1 & tests=$!
+    bash "$0" models > "$OUT/visit_models.txt" 2>&1
+    wait $tests
+    tail -n 3 "$OUT/visit_models.txt"; tail -n 4 "$OUT/visit_tests.txt" ;;
   trace)
     timeout 150 python3 benchmarks/cuda_trace.py --out "$OUT" > "$OUT/trace.log" 2>&1
     grep -v Warning "$OUT/trace.log" | tail -40 ;;
