@@ -81,31 +81,34 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, batch=1):
     off = C.offset_array(prompt)
     nbytes = phase_bytes(fb, batch, prompt + 1)
     out = []
-    for target, n in [(t, n) for t in attn_blocks for n in nlayers]:
-        C.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads))
-        nsplit = C.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
-        bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
-        # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
-        # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's
-        # outputs, whose first writes would then fault (seen: 96 us instead of 11 for a phase).
-        mx.clear_cache()
-        stamped = []
-        for r in range(reps + 3):   # 3 warm-up launches
-            _, _, st, groups = C.layers_launch(fbs[:n], x, off, bufs, stamps=True)
-            mx.eval(st)
-            stamped.append(st)
-        runs = [phase_rows(np.array(st), groups) for st in stamped[3:]]
-        rows = median_rows(runs)
-        table = []
-        for i, (first, ready, p90, end) in enumerate(rows):
-            t = end - ready
-            table.append({"layer": i // len(PHASES), "phase": PHASES[i % len(PHASES)], "blocks": groups[i],
-                          "first_in_us": first, "ready_us": ready, "p90_end_us": p90, "end_us": end, "time_us": t,
-                          "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
-        out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
-                    "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
-                    "total_us": rows[-1][3], "phases": table})
-    C.ATTN_TARGET_BLOCKS = attn_blocks[0]
+    default_target = C.ATTN_TARGET_BLOCKS
+    try:
+        for target, n in [(t, n) for t in attn_blocks for n in nlayers]:
+            C.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads))
+            nsplit = C.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
+            bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
+            # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
+            # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's
+            # outputs, whose first writes would then fault (seen: 96 us instead of 11 for a phase).
+            mx.clear_cache()
+            stamped = []
+            for r in range(reps + 3):   # 3 warm-up launches
+                _, _, st, groups = C.layers_launch(fbs[:n], x, off, bufs, stamps=True)
+                mx.eval(st)
+                stamped.append(st)
+            runs = [phase_rows(np.array(st), groups) for st in stamped[3:]]
+            rows = median_rows(runs)
+            table = []
+            for i, (first, ready, p90, end) in enumerate(rows):
+                t = end - ready
+                table.append({"layer": i // len(PHASES), "phase": PHASES[i % len(PHASES)], "blocks": groups[i],
+                              "first_in_us": first, "ready_us": ready, "p90_end_us": p90, "end_us": end, "time_us": t,
+                              "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
+            out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
+                        "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
+                        "total_us": rows[-1][3], "phases": table})
+    finally:
+        C.ATTN_TARGET_BLOCKS = default_target   # the sweep leaves the module as it found it
     mlx_fastops.unpatch(model)
     return out
 
