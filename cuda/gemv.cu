@@ -11,8 +11,17 @@
 // k-step are loaded before the current one is used (two steps in flight), and the first step's
 // weights are loaded before the input-norm prologue, so DRAM latency overlaps the prologue.
 //
+// 4-bit weights to floats (FOLD4): one byte permute per nibble makes f = 0.5 + q/32 (the nibble in
+// mantissa bits 19-22 under exponent 126); the lane-step's sum x*q = 32 * sum x*f - 16 * sum x uses
+// the x-sum the bias term needs anyway (a 1-bit cancellation at most). Without FOLD4 a nibble is
+// 2^23 + q minus 2^23: one more instruction per weight, of about 3.
+//
 // Optional input RMSNorm (HAS_NORM): x <- T(T(x * rsqrt(mean(x^2) + eps)) * nw), exactly the
 // rounding points of mx.fast.rms_norm, computed per block (every block reads all of x anyway).
+// With XK (= K, a define, when M * K floats fit) the block normalizes x once into its dynamic
+// shared memory (the wrapper's norm_stage_bytes), with each lane-step's x-sum; otherwise every lane normalizes its own slice at
+// every k-step (once per warp, so NW times per block, and ~9 instructions per element: as many as
+// the dot products of 2 weight rows). Same values and summation order either way.
 //
 // Epilogues (EPI):
 //   0 plain      y[m, n] = T(acc)                     (+ bias: T(T(acc) + bias[n]))
@@ -31,7 +40,7 @@
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
-// NW, VEC, EPI, HAS_NORM (+ EPS), HAS_BIAS, and for
+// NW, VEC, EPI, FOLD4, HAS_NORM (+ EPS, XK), HAS_BIAS, and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -136,6 +145,35 @@
     }
     __syncthreads();
   }
+#if XK
+  // Stage the normalized x: chunk ch (EPW elements, one lane-step) of row m is stored as EPW/4
+  // float4s, s_x4[(m * EPW/4 + j) * NCH + ch], so lanes reading consecutive chunks hit
+  // consecutive 16 bytes (no bank conflicts), and its sum in s_xsum[m * NCH + ch].
+  constexpr int NCH = XK / EPW;
+  extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
+  float4* const s_x4 = s_stage;
+  float* const s_xsum = reinterpret_cast<float*>(s_stage + M * XK / 4);
+  for (int c = threadIdx.x; c < M * NCH; c += NW * 32) {
+    const int m = c / NCH, ch = c % NCH;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < EPW / 4; ++j) {
+      alignas(8) T tmp[4], nwt[4];
+      *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(x + (size_t)m * XK + ch * EPW + 4 * j);
+      *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + ch * EPW + 4 * j);
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const T nv = static_cast<T>(static_cast<float>(tmp[e]) * s_inv[m]);
+        v[e] = static_cast<float>(static_cast<T>(static_cast<float>(nwt[e]) * static_cast<float>(nv)));
+        sum += v[e];
+      }
+      s_x4[(m * (EPW / 4) + j) * NCH + ch] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    s_xsum[c] = sum;
+  }
+  __syncthreads();
+#endif
 #endif
 
   float acc[RR][M];
@@ -161,6 +199,18 @@
     // activations: EPW values per row, 16-byte loads
     float xf[M][EPW];
     float sx[M];
+#if HAS_NORM && XK
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int ch = k0 / EPW;
+#pragma unroll
+      for (int j = 0; j < EPW / 4; ++j) {
+        const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
+        xf[m][4 * j] = t.x; xf[m][4 * j + 1] = t.y; xf[m][4 * j + 2] = t.z; xf[m][4 * j + 3] = t.w;
+      }
+      sx[m] = s_xsum[m * NCH + ch];
+    }
+#else
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const T* xp = x + (size_t)m * K + k0;
@@ -202,6 +252,7 @@
         }
       }
     }
+#endif
     // dot products: nibbles/bytes to fp32 through the 2^23 exponent trick
 #pragma unroll
     for (int r = 0; r < RR; ++r) {
@@ -212,12 +263,21 @@
       for (int v = 0; v < VEC; ++v) {
         const uint32_t wd = cw[r][v];
         if constexpr (BITS == 4) {
+#if FOLD4
+          const uint32_t lo = (wd << 3) & 0x78787878u;   // even elements, at bits 3-6 of each byte
+          const uint32_t hi = (wd >> 1) & 0x78787878u;   // odd elements
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float q0 = __int_as_float(__byte_perm(lo, 0x3F000000u, 0x7044 + (j << 8)));
+            const float q1 = __int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044 + (j << 8)));
+#else
           const uint32_t lo = wd & 0x0F0F0F0Fu;
           const uint32_t hi = (wd >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const float q0 = __int_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + j)) - 8388608.f;
             const float q1 = __int_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + j)) - 8388608.f;
+#endif
 #pragma unroll
             for (int m = 0; m < M; ++m) {
               d[m] = fmaf(xf[m][v * 8 + 2 * j], q0, d[m]);
@@ -234,7 +294,10 @@
         }
       }
 #pragma unroll
-      for (int m = 0; m < M; ++m) acc[r][m] += cs[r] * d[m] + cb[r] * sx[m];
+      for (int m = 0; m < M; ++m) {
+        const float dq = (FOLD4 && BITS == 4) ? fmaf(32.f, d[m], -16.f * sx[m]) : d[m];
+        acc[r][m] += cs[r] * dq + cb[r] * sx[m];
+      }
     }
   }
 

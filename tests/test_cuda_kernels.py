@@ -93,6 +93,19 @@ def test_gemv_fp32():
     assert rel(C.gemv(x, w), x @ dense(w).T) < 2e-3
 
 
+@pytest.mark.parametrize("M,K,N,gs", [(1, 1024, 300, 64), (3, 448, 200, 32), (8, 2048, 72, 128)])
+def test_nibble_fold_matches_exact_nibbles(M, K, N, gs):
+    """nibble_fold (weights as 0.5 + q/32, the offset taken out with the x-sum) loses a bit or two
+    to cancellation: in float32 both paths are within 1e-5 of a float64 product (emulator: 2e-6
+    and 6e-7), three orders inside the 1e-2 tolerances that a wrong offset would still have to beat."""
+    w = packed(N, K, 4, gs, mx.float32)
+    x = 3 * mx.random.normal((M, K)) + 1   # a mean, so the folded x-sum is not ~0
+    exact = np.asarray(x).astype(np.float64) @ np.asarray(dense(w)).astype(np.float64).T
+    for fold in (True, False):
+        y = np.asarray(C.gemv(x, w, fold=fold)).astype(np.float64)
+        assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 1e-5, fold
+
+
 @pytest.mark.parametrize("dtype,bits,gs,M", [("bfloat16", 4, 64, 1), ("float16", 8, 32, 2),
                                              ("bfloat16", 4, 128, 5), ("bfloat16", 8, 64, 8)])
 def test_gemv_epilogues(dtype, bits, gs, M):
@@ -127,12 +140,16 @@ def test_gemv_epilogues(dtype, bits, gs, M):
 def test_folded_norm_matches_rms_norm(dtype, M, K):
     """The GEMV's folded input RMSNorm has mx.fast.rms_norm's rounding points: the same GEMV on
     rms_norm's output agrees almost bit for bit (seen: <= 6e-5). A norm that misses 8 of K
-    elements is 2e-3 to 1.3e-2 off, which the 1e-2 tolerances against float32 would let pass."""
+    elements is 2e-3 to 1.3e-2 off, which the 1e-2 tolerances against float32 would let pass.
+    Where x fits in shared memory (norm_stage) the staged norm gives the unstaged one's bits."""
     dt = getattr(mx, dtype)
     x = (3 * mx.random.normal((M, K))).astype(dt)
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
     gu = packed(640, K, 4, 64, dt, splits=(320, 320))
-    assert rel(C.gemv(x, gu, epi=2, norm=(nw, 1e-6)), C.gemv(mx.fast.rms_norm(x, nw, 1e-6), gu, epi=2)) < 1e-3
+    y = C.gemv(x, gu, epi=2, norm=(nw, 1e-6))
+    assert rel(y, C.gemv(mx.fast.rms_norm(x, nw, 1e-6), gu, epi=2)) < 1e-3
+    assert bool(C.norm_stage(M, K, True)) == (M * K <= C.STAGE_MAX_FLOATS)
+    assert mx.array_equal(y, C.gemv(x, gu, epi=2, norm=(nw, 1e-6), stage=False))
 
 
 def test_rows_beyond_8_use_reference():
@@ -308,9 +325,10 @@ def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
 def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
     """The one-launch decoder layer, without and with layer_prefetch (GEMV phases wait inside,
     after sending their weights on) and layer_wait_load (waits poll with loads), computes exactly
-    what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) computes: same outputs and same cache
-    rows, bit for bit; so does it with both. Where G allows, again with attention blocks of 2 query
-    heads (attn_head_split)."""
+    what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) without norm_stage computes: same
+    outputs and same cache rows, bit for bit; so does it with both, and with norm_stage (the folded
+    norms stage x in shared memory; the tiny models' x always fits). Where G allows, again with
+    attention blocks of 2 query heads (attn_head_split)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -328,9 +346,9 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
         G = fb.H // fb.HKV
         results = {}
         for fb.gb in sorted({G, 2 if G % 2 == 0 else G}):
-            for fb.one_launch, fb.prefetch, fb.wait_load in ((False, False, False), (True, False, False),
-                                                             (True, True, False), (True, False, True),
-                                                             (True, True, True)):
+            for fb.one_launch, fb.prefetch, fb.wait_load, fb.stage in (
+                    (False, False, False, False), (True, False, False, False), (True, True, False, True),
+                    (True, False, True, False), (True, True, True, True), (False, False, False, True)):
                 kc, vc = k0 + 0, v0 + 0
                 mx.eval(kc, vc)
                 out, o = fb.core(x, off, kc, vc, kc)

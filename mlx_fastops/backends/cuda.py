@@ -78,6 +78,22 @@ def gemv_config(M, K, N, bits, epi):
     return VEC, R, 4
 
 
+# A folded-norm GEMV stages its normalized x in shared memory (gemv.cu, XK) up to this many floats
+# (16 KB per block): Qwen3-8B's hidden size at batch 1, Qwen3-0.6B's up to 4 rows.
+STAGE_MAX_FLOATS = 4096
+
+
+def norm_stage(M, K, norm, on=True):
+    """XK of gemv.cu: K when a GEMV with a folded input norm stages x (norm_stage), else 0."""
+    return K if norm and on and M * K <= STAGE_MAX_FLOATS else 0
+
+
+def norm_stage_bytes(M, K, bits, xk):
+    """Dynamic shared memory of a GEMV that stages x (xk = K): M*K floats and one sum per lane-step."""
+    vec = gemv_config(M, K, 1, bits, 0)[0]
+    return 4 * M * (xk + xk // ((8 if bits == 4 else 4) * vec)) if xk else 0
+
+
 def gemv_inputs(norm, bias, res, head=None):
     names = ["x", "w", "sc", "bi"]
     if norm:
@@ -97,12 +113,14 @@ def _flt(v):
     return f"{float(v)!r}f"
 
 
-def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None):
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, xk=0, fold=True):
     """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
-    eps: the folded input RMSNorm's epsilon (None: no norm)."""
-    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, HAS_NORM=eps is not None, HAS_BIAS=bias)
+    eps: the folded input RMSNorm's epsilon (None: no norm); xk: norm_stage's K or 0; fold:
+    nibble_fold (FOLD4)."""
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, FOLD4=fold, HAS_NORM=eps is not None,
+             HAS_BIAS=bias)
     if eps is not None:
-        d["EPS"] = _flt(eps)
+        d.update(EPS=_flt(eps), XK=xk)
     if head is not None:
         d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
                  QEPS=_flt(head["qeps"]), KEPS=_flt(head["keps"]), ROPE_TRAD=head["trad"],
@@ -121,28 +139,36 @@ def gemv_blocks(N, epi, R, nw):
 
 
 @cached_builder
-def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw):
+def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, xk, smem, fold):
     head = dict(head_items) if head_items else None
-    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head), dtype)
+    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head, xk, fold), dtype)
     return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
-                       output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3))
+                       output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3),
+                       shared_memory=smem)
 
 
-def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items):
-    """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None."""
+def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items, stage=True, fold=True):
+    """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None;
+    stage: a folded norm may stage x in shared memory (norm_stage); fold: nibble_fold."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
-    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW)
+    xk = norm_stage(M, K, eps is not None, stage)
+    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, xk,
+                       norm_stage_bytes(M, K, bits, xk), fold)
     return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
-def gemv(x2d, w, epi=0, norm=None, res=None):
-    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm."""
+def gemv(x2d, w, epi=0, norm=None, res=None, stage=True, fold=None):
+    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm (staged in
+    shared memory where norm_stage allows and `stage`); fold: nibble_fold (None: unless disabled)."""
+    if fold is None:
+        fold = "nibble_fold" not in config.disabled()
     M, K = x2d.shape
     N = w.out_features
     dtype = x2d.dtype
     bias = w.bias is not None and epi == 0
     kern, grid, tg = _gemv_kernel(dtype, M, K, N, w.bits, w.group_size, epi,
-                                  None if norm is None else float(norm[1]), bias, res is not None, None)
+                                  None if norm is None else float(norm[1]), bias, res is not None, None, stage,
+                                  fold)
     inputs = [x2d, w.weight, w.scales, w.biases]
     if norm is not None:
         inputs.append(norm[0])
@@ -419,7 +445,7 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, stamps=False):
+                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -427,19 +453,23 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     block. prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu (WAIT_INPUTS), once
     their weights are on the way, instead of before they start; wait_load (layer_wait_load):
     waits poll with loads instead of atomics; stamps: an extra output with each block's entry and
-    end times (layer_stamp). Inputs of layer j carry the suffix j (x, off, the tickets and the
+    end times (layer_stamp); stage (norm_stage): the folded norms stage x in shared memory; fold:
+    nibble_fold. Inputs of layer j carry the suffix j (x, off, the tickets and the
     counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
     r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
     sizes = []   # blocks per phase
+    smem = [0]   # dynamic shared memory: the largest staged x of the phases
     header = [f"#define LAYER_WAIT_LOAD {int(wait_load)}\n", _LAYER_HELPERS]
     waits = ["ctr", "wait_g", "wait_n"] if prefetch else []   # the phase waits inside (WAIT_INPUTS)
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi)
-        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd)
+        xk = norm_stage(M, K, eps is not None, stage)
+        smem[0] = max(smem[0], norm_stage_bytes(M, K, bits, xk))
+        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, fold)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         if prefetch:
             d["WAIT_INPUTS"] = "layer_wait(ctr, wait_g, wait_n)"
@@ -514,7 +544,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
     outputs += ["stamps"] if stamps else []
     kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs, output_names=outputs,
-                       header=header, source=body, ensure_row_contiguous=False)
+                       header=header, source=body, ensure_row_contiguous=False, shared_memory=smem[0])
     return kern, groups, inputs
 
 
@@ -636,6 +666,8 @@ class FastBlock:
         variant = lambda name: self.one_launch and name not in disabled
         self.prefetch = variant("layer_prefetch")
         self.wait_load = variant("layer_wait_load")
+        self.stage = "norm_stage" not in disabled
+        self.fold = "nibble_fold" not in disabled
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -694,7 +726,8 @@ class FastBlock:
         M = B * L
         qkv = self.qkv
         kern, grid, tg = _gemv_kernel(x.dtype, M, K, qkv.out_features, qkv.bits, qkv.group_size, 3,
-                                      self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),))
+                                      self.in_norm[1], qkv.bias is not None, False, self.head + (("L", L),),
+                                      self.stage, self.fold)
         bias = [qkv.bias] if qkv.bias is not None else []
         head_inputs = [x, qkv.weight, qkv.scales, qkv.biases, self.in_norm[0], *bias, *self.qk, off, *self.rf,
                        kc, vc, self.head_tickets, after]   # gemv_inputs order for EPI 3
@@ -702,9 +735,9 @@ class FastBlock:
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
         o = attention(q, kc, vc, off, self.scale, self.attn_tickets, self.gb)
         x2 = x.reshape(M, K)
-        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2)
-        a = gemv(h, self.gate_up, epi=2, norm=self.post_norm)
-        out = gemv(a, self.down, epi=1, res=h)
+        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2, fold=self.fold)
+        a = gemv(h, self.gate_up, epi=2, norm=self.post_norm, stage=self.stage, fold=self.fold)
+        out = gemv(a, self.down, epi=1, res=h, fold=self.fold)
         return out.reshape(B, L, K), o
 
     def core_one_launch(self, x, off, kc, vc, after):
@@ -738,7 +771,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load)
+                self.prefetch, self.wait_load, self.stage, self.fold)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -767,7 +800,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                       len(blocks), stamps)
+                                       len(blocks), stamps, fb.stage, fb.fold)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}

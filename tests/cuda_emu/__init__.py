@@ -47,12 +47,17 @@ using namespace mlx::core::cu;
 """
 
 
-# `__shared__ TYPE NAME[..][..];` (the only form the kernels use) -> a reference into the block's arena
+# `__shared__ TYPE NAME[..][..];` -> a reference into the block's arena (ids from 1);
+# `extern __shared__ TYPE NAME[];` -> a pointer to the block's dynamic shared memory (id 0, the
+# kernel's shared_memory bytes; every such declaration names the same bytes, as in CUDA)
 _SHARED = re.compile(r"__shared__\s+([\w:]+)\s+(\w+)((?:\s*\[[^\]]*\])*)\s*;")
+_DYNAMIC = re.compile(r"extern\s+__shared__\s+([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
 
 
-def _shared_to_arena(code):
-    ids = iter(range(1 << 30))
+def _shared_to_arena(code, dynamic_bytes=0):
+    code = _DYNAMIC.sub(lambda m: f"{m[1]}* {m[2]} = reinterpret_cast<{m[1]}*>(::cuemu::shared_slot(0, "
+                                  f"{int(dynamic_bytes)}));", code)
+    ids = iter(range(1, 1 << 30))
 
     def sub(m):
         typ, name, dims = m[1], m[2], m[3].replace(" ", "")
@@ -92,9 +97,10 @@ def _compile(code):
 
 class EmuCudaKernel:
     def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False):
+                 atomic_outputs=False, shared_memory=0):
         self.name, self.inputs, self.outputs = name, list(input_names), list(output_names)
         self.source, self.header, self.contiguous = source, header, ensure_row_contiguous
+        self.shared_memory = shared_memory
         self._libs = {}
 
     def _code(self, in_dtypes, out_dtypes):
@@ -113,7 +119,7 @@ class EmuCudaKernel:
             params.append(f"{_CTYPES[dt]}* {n}")
             unpack.append(f"({_CTYPES[dt]}*)a[{i}]")
             i += 1
-        code = _shared_to_arena(self.header + "\n@@BODY@@\n" + self.source)
+        code = _shared_to_arena(self.header + "\n@@BODY@@\n" + self.source, self.shared_memory)
         header, body = code.split("\n@@BODY@@\n")
         return (PRE + header + f"\nstatic void body({', '.join(params)}) {{\n{body}\n}}\n"
                 f"extern \"C\" void entry(void** a) {{ body({', '.join(unpack)}); }}\n")
@@ -178,6 +184,7 @@ class EmuCudaKernel:
 
 
 def cuda_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                atomic_outputs=False):
+                atomic_outputs=False, shared_memory=0):
     """Same signature as mx.fast.cuda_kernel."""
-    return EmuCudaKernel(name, input_names, output_names, source, header, ensure_row_contiguous)
+    return EmuCudaKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
+                         shared_memory=shared_memory)
