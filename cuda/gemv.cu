@@ -18,10 +18,12 @@
 //
 // Optional input RMSNorm (HAS_NORM): x <- T(T(x * rsqrt(mean(x^2) + eps)) * nw), exactly the
 // rounding points of mx.fast.rms_norm, computed per block (every block reads all of x anyway).
-// With XK (= K, a define, when M * K floats fit) the block normalizes x once into its dynamic
-// shared memory (the wrapper's norm_stage_bytes), with each lane-step's x-sum; otherwise every lane normalizes its own slice at
-// every k-step (once per warp, so NW times per block, and ~9 instructions per element: as many as
-// the dot products of 2 weight rows). Same values and summation order either way.
+//
+// Staged x (XK = K, a define, when M * K floats fit): the block converts (and normalizes) x once
+// into its dynamic shared memory (the wrapper's x_stage_bytes), with each lane-step's x-sum;
+// otherwise every warp converts (and normalizes) its lanes' slices at every k-step: NW times per
+// block, at 2 (with the norm ~9) instructions per element, as many as the dot products of 1 (4)
+// weight rows. Same values and summation order either way.
 //
 // Epilogues (EPI):
 //   0 plain      y[m, n] = T(acc)                     (+ bias: T(T(acc) + bias[n]))
@@ -40,7 +42,7 @@
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
-// NW, VEC, EPI, FOLD4, HAS_NORM (+ EPS, XK), HAS_BIAS, and for
+// NW, VEC, EPI, FOLD4, XK, HAS_NORM (+ EPS), HAS_BIAS, and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -106,6 +108,35 @@
   WAIT_INPUTS;
 #endif
 
+#if XK
+  // Staged x: this thread's chunks of x (and nw) are loaded first (at most 32 elements each:
+  // M * XK <= 32 * 128), beside the norm's sum-of-squares loads, whose loop then has a
+  // compile-time bound: one round trip.
+  static_assert(sizeof(T) == 2, "x is staged for 2-byte types (4 elements per 8-byte load)");
+  constexpr int NCH = XK / EPW;                               // chunks (lane-steps) per row
+  constexpr int CPT = (M * NCH + NW * 32 - 1) / (NW * 32);    // chunks per thread
+  uint2 cx[CPT][EPW / 4];
+#if HAS_NORM
+  uint2 cn[CPT][EPW / 4];
+#endif
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    const int c = threadIdx.x + i * NW * 32;
+    if (c < M * NCH) {
+      const int m = c / NCH, ch = c % NCH;
+#pragma unroll
+      for (int j = 0; j < EPW / 4; ++j) {
+        cx[i][j] = *reinterpret_cast<const uint2*>(x + (size_t)m * XK + ch * EPW + 4 * j);
+#if HAS_NORM
+        cn[i][j] = *reinterpret_cast<const uint2*>(nw + ch * EPW + 4 * j);
+#endif
+      }
+    }
+  }
+  constexpr int KN = XK;
+#else
+  const int KN = K;
+#endif
 #if HAS_NORM
   __shared__ float s_inv[M];
   {
@@ -117,11 +148,14 @@
     // 16-byte loads (K is a multiple of the group size, so of 16 / sizeof(T)): the prologue is
     // on every block's critical path
     constexpr int XP = 16 / (int)sizeof(T);
-    for (int k = threadIdx.x * XP; k < K; k += NW * 32 * XP) {
+#pragma unroll
+    for (int i = 0; i < (KN + NW * 32 * XP - 1) / (NW * 32 * XP); ++i) {
+      const int k = (threadIdx.x + i * NW * 32) * XP;
+      if (k >= KN) break;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         alignas(16) T tmp[XP];
-        *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+        *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(x + (size_t)m * KN + k);
 #pragma unroll
         for (int j = 0; j < XP; ++j) {
           const float t = static_cast<float>(tmp[j]);
@@ -141,39 +175,49 @@
       float v = 0.f;
 #pragma unroll
       for (int i = 0; i < NW; ++i) v += s_red[i][threadIdx.x];
-      s_inv[threadIdx.x] = rsqrtf(v / K + EPS);
+      s_inv[threadIdx.x] = rsqrtf(v / KN + EPS);
     }
     __syncthreads();
   }
+#endif
 #if XK
-  // Stage the normalized x: chunk ch (EPW elements, one lane-step) of row m is stored as EPW/4
+  // Stage x (normalized): chunk ch (EPW elements, one lane-step) of row m is stored as EPW/4
   // float4s, s_x4[(m * EPW/4 + j) * NCH + ch], so lanes reading consecutive chunks hit
   // consecutive 16 bytes (no bank conflicts), and its sum in s_xsum[m * NCH + ch].
-  constexpr int NCH = XK / EPW;
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
   float4* const s_x4 = s_stage;
   float* const s_xsum = reinterpret_cast<float*>(s_stage + M * XK / 4);
-  for (int c = threadIdx.x; c < M * NCH; c += NW * 32) {
-    const int m = c / NCH, ch = c % NCH;
-    float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < EPW / 4; ++j) {
-      alignas(8) T tmp[4], nwt[4];
-      *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(x + (size_t)m * XK + ch * EPW + 4 * j);
-      *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + ch * EPW + 4 * j);
-      float v[4];
+  for (int i = 0; i < CPT; ++i) {
+    const int c = threadIdx.x + i * NW * 32;
+    if (c < M * NCH) {
+      const int m = c / NCH, ch = c % NCH;
+      float sum = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const T nv = static_cast<T>(static_cast<float>(tmp[e]) * s_inv[m]);
-        v[e] = static_cast<float>(static_cast<T>(static_cast<float>(nwt[e]) * static_cast<float>(nv)));
-        sum += v[e];
+      for (int j = 0; j < EPW / 4; ++j) {
+        alignas(8) T tmp[4];
+        *reinterpret_cast<uint2*>(tmp) = cx[i][j];
+#if HAS_NORM
+        alignas(8) T nwt[4];
+        *reinterpret_cast<uint2*>(nwt) = cn[i][j];
+#endif
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+#if HAS_NORM
+          const T nv = static_cast<T>(static_cast<float>(tmp[e]) * s_inv[m]);
+          v[e] = static_cast<float>(static_cast<T>(static_cast<float>(nwt[e]) * static_cast<float>(nv)));
+#else
+          v[e] = static_cast<float>(tmp[e]);
+#endif
+          sum += v[e];
+        }
+        s_x4[(m * (EPW / 4) + j) * NCH + ch] = make_float4(v[0], v[1], v[2], v[3]);
       }
-      s_x4[(m * (EPW / 4) + j) * NCH + ch] = make_float4(v[0], v[1], v[2], v[3]);
+      s_xsum[c] = sum;
     }
-    s_xsum[c] = sum;
   }
   __syncthreads();
-#endif
 #endif
 
   float acc[RR][M];
@@ -199,7 +243,7 @@
     // activations: EPW values per row, 16-byte loads
     float xf[M][EPW];
     float sx[M];
-#if HAS_NORM && XK
+#if XK
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const int ch = k0 / EPW;

@@ -33,8 +33,9 @@ FUSIONS = {
                        "(off: atomic read-modify-writes, which queue with that phase's arrivals)",
     "attn_head_split": "CUDA one-launch layer: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
-    "norm_stage": "CUDA fast decode: a GEMV with a folded input RMSNorm normalizes x once per block into "
-                  "shared memory (off: every lane normalizes its slice at every k-step)",
+    "x_stage": "CUDA GEMVs (half types, rows x in_features <= 4096): each block converts x to float (with "
+               "a folded input RMSNorm: normalizes it) once, into shared memory; off: every warp converts "
+               "its lanes' slices at every k-step",
     "nibble_fold": "CUDA GEMVs: a 4-bit weight becomes a float by one byte permute (0.5 + q/32, the offset "
                    "taken out with the x-sum); off: 2^23 + q, then a subtraction",
     "qkv_kernel": "GPU kernel of the fused Q/K/V op (off: stacked weights + one stock quantized_matmul)",

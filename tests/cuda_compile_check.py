@@ -86,7 +86,7 @@ def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     T = C._CTYPE[dtype]
     vec, R, nw = C.gemv_config(M, K, N, bits, epi)
     d = C.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, 1e-6 if norm else None, bias, head,
-                       C.norm_stage(M, K, norm))
+                       C.x_stage(M, K, dtype))
     src = C.source("gemv.cu", d, dtype)
     types = {"x": T, "w": "uint32_t", "sc": T, "bi": T, "nw": T, "bias": T,
              "res": T, "qn": T, "kn": T, "off": "int32_t", "after": T,

@@ -82,6 +82,7 @@ def test_gemv_plain(dtype, bits, gs, M, K, N):
         ref = ref + w.bias.astype(mx.float32)
     assert y.shape == (M, N) and y.dtype == dt
     assert rel(y, ref) < 1e-2
+    assert mx.array_equal(y, C.gemv(x, w, stage=False))   # x staged in shared memory or not: same bits
     if ON_GPU:
         assert rel(y, R.linear(x, w)) < 2e-2
 
@@ -117,6 +118,7 @@ def test_gemv_epilogues(dtype, bits, gs, M):
     res = mx.random.normal((M, N)).astype(dt)
     y = C.gemv(x, w, epi=1, res=res)
     assert rel(y, (res.astype(mx.float32) + x.astype(mx.float32) @ dense(w).T)) < 1e-2
+    assert mx.array_equal(y, C.gemv(x, w, epi=1, res=res, stage=False))
     # gate/up + SiLU with folded RMSNorm
     gu = packed(2 * N, K, bits, gs, dt, splits=(N, N))
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
@@ -141,14 +143,14 @@ def test_folded_norm_matches_rms_norm(dtype, M, K):
     """The GEMV's folded input RMSNorm has mx.fast.rms_norm's rounding points: the same GEMV on
     rms_norm's output agrees almost bit for bit (seen: <= 6e-5). A norm that misses 8 of K
     elements is 2e-3 to 1.3e-2 off, which the 1e-2 tolerances against float32 would let pass.
-    Where x fits in shared memory (norm_stage) the staged norm gives the unstaged one's bits."""
+    Where x fits in shared memory (x_stage) the staged norm gives the unstaged one's bits."""
     dt = getattr(mx, dtype)
     x = (3 * mx.random.normal((M, K))).astype(dt)
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
     gu = packed(640, K, 4, 64, dt, splits=(320, 320))
     y = C.gemv(x, gu, epi=2, norm=(nw, 1e-6))
     assert rel(y, C.gemv(mx.fast.rms_norm(x, nw, 1e-6), gu, epi=2)) < 1e-3
-    assert bool(C.norm_stage(M, K, True)) == (M * K <= C.STAGE_MAX_FLOATS)
+    assert bool(C.x_stage(M, K, dt)) == (M * K <= C.STAGE_MAX_FLOATS)
     assert mx.array_equal(y, C.gemv(x, gu, epi=2, norm=(nw, 1e-6), stage=False))
 
 
@@ -325,8 +327,8 @@ def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
 def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
     """The one-launch decoder layer, without and with layer_prefetch (GEMV phases wait inside,
     after sending their weights on) and layer_wait_load (waits poll with loads), computes exactly
-    what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) without norm_stage computes: same
-    outputs and same cache rows, bit for bit; so does it with both, and with norm_stage (the folded
+    what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) without x_stage computes: same
+    outputs and same cache rows, bit for bit; so does it with both, and with x_stage (the folded
     norms stage x in shared memory; the tiny models' x always fits). Where G allows, again with
     attention blocks of 2 query heads (attn_head_split)."""
     from mlx_fastops import synthetic_model

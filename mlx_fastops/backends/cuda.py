@@ -78,17 +78,18 @@ def gemv_config(M, K, N, bits, epi):
     return VEC, R, 4
 
 
-# A folded-norm GEMV stages its normalized x in shared memory (gemv.cu, XK) up to this many floats
-# (16 KB per block): Qwen3-8B's hidden size at batch 1, Qwen3-0.6B's up to 4 rows.
+# A GEMV stages x as floats in shared memory (gemv.cu, XK) up to this many (16 KB per block; the
+# staging registers hold 32 elements per thread): Qwen3-8B's hidden size at batch 1, Qwen3-0.6B's
+# up to 4 rows.
 STAGE_MAX_FLOATS = 4096
 
 
-def norm_stage(M, K, norm, on=True):
-    """XK of gemv.cu: K when a GEMV with a folded input norm stages x (norm_stage), else 0."""
-    return K if norm and on and M * K <= STAGE_MAX_FLOATS else 0
+def x_stage(M, K, dtype, on=True):
+    """XK of gemv.cu: K when a GEMV stages its x (x_stage; half types), else 0."""
+    return K if on and dtype in _HALF and M * K <= STAGE_MAX_FLOATS else 0
 
 
-def norm_stage_bytes(M, K, bits, xk):
+def x_stage_bytes(M, K, bits, xk):
     """Dynamic shared memory of a GEMV that stages x (xk = K): M*K floats and one sum per lane-step."""
     vec = gemv_config(M, K, 1, bits, 0)[0]
     return 4 * M * (xk + xk // ((8 if bits == 4 else 4) * vec)) if xk else 0
@@ -115,12 +116,12 @@ def _flt(v):
 
 def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, xk=0, fold=True):
     """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
-    eps: the folded input RMSNorm's epsilon (None: no norm); xk: norm_stage's K or 0; fold:
+    eps: the folded input RMSNorm's epsilon (None: no norm); xk: x_stage's K or 0; fold:
     nibble_fold (FOLD4)."""
-    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, FOLD4=fold, HAS_NORM=eps is not None,
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, FOLD4=fold, XK=xk, HAS_NORM=eps is not None,
              HAS_BIAS=bias)
     if eps is not None:
-        d.update(EPS=_flt(eps), XK=xk)
+        d["EPS"] = _flt(eps)
     if head is not None:
         d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
                  QEPS=_flt(head["qeps"]), KEPS=_flt(head["keps"]), ROPE_TRAD=head["trad"],
@@ -149,19 +150,20 @@ def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw,
 
 def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items, stage=True, fold=True):
     """(kernel, grid, threadgroup) for this call's sizes; eps: folded input RMSNorm or None;
-    stage: a folded norm may stage x in shared memory (norm_stage); fold: nibble_fold."""
+    stage: x may be staged in shared memory (x_stage); fold: nibble_fold."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
-    xk = norm_stage(M, K, eps is not None, stage)
+    xk = x_stage(M, K, dtype, stage)
     kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, xk,
-                       norm_stage_bytes(M, K, bits, xk), fold)
+                       x_stage_bytes(M, K, bits, xk), fold)
     return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
-def gemv(x2d, w, epi=0, norm=None, res=None, stage=True, fold=None):
-    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm (staged in
-    shared memory where norm_stage allows and `stage`); fold: nibble_fold (None: unless disabled)."""
-    if fold is None:
-        fold = "nibble_fold" not in config.disabled()
+def gemv(x2d, w, epi=0, norm=None, res=None, stage=None, fold=None):
+    """x2d [M, K] -> y [M, N or N/2]; `norm` = (weight, eps float) folds an input RMSNorm.
+    stage / fold: x_stage / nibble_fold (None: on unless disabled)."""
+    off = config.disabled() if stage is None or fold is None else ()
+    stage = "x_stage" not in off if stage is None else stage
+    fold = "nibble_fold" not in off if fold is None else fold
     M, K = x2d.shape
     N = w.out_features
     dtype = x2d.dtype
@@ -453,8 +455,8 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     block. prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu (WAIT_INPUTS), once
     their weights are on the way, instead of before they start; wait_load (layer_wait_load):
     waits poll with loads instead of atomics; stamps: an extra output with each block's entry and
-    end times (layer_stamp); stage (norm_stage): the folded norms stage x in shared memory; fold:
-    nibble_fold. Inputs of layer j carry the suffix j (x, off, the tickets and the
+    end times (layer_stamp); stage (x_stage): the GEMV phases stage x in shared memory where it fits;
+    fold: nibble_fold. Inputs of layer j carry the suffix j (x, off, the tickets and the
     counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
     r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -467,8 +469,8 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi)
-        xk = norm_stage(M, K, eps is not None, stage)
-        smem[0] = max(smem[0], norm_stage_bytes(M, K, bits, xk))
+        xk = x_stage(M, K, dtype, stage)
+        smem[0] = max(smem[0], x_stage_bytes(M, K, bits, xk))
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, fold)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         if prefetch:
@@ -666,7 +668,7 @@ class FastBlock:
         variant = lambda name: self.one_launch and name not in disabled
         self.prefetch = variant("layer_prefetch")
         self.wait_load = variant("layer_wait_load")
-        self.stage = "norm_stage" not in disabled
+        self.stage = "x_stage" not in disabled
         self.fold = "nibble_fold" not in disabled
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
@@ -735,9 +737,9 @@ class FastBlock:
                  output_dtypes=[x.dtype, mx.float32], grid=grid, threadgroup=tg)[0]
         o = attention(q, kc, vc, off, self.scale, self.attn_tickets, self.gb)
         x2 = x.reshape(M, K)
-        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2, fold=self.fold)
+        h = gemv(o.reshape(M, self.H * self.D), self.o, epi=1, res=x2, stage=self.stage, fold=self.fold)
         a = gemv(h, self.gate_up, epi=2, norm=self.post_norm, stage=self.stage, fold=self.fold)
-        out = gemv(a, self.down, epi=1, res=h, fold=self.fold)
+        out = gemv(a, self.down, epi=1, res=h, stage=self.stage, fold=self.fold)
         return out.reshape(B, L, K), o
 
     def core_one_launch(self, x, off, kc, vc, after):
