@@ -63,18 +63,25 @@ def _name(kind, src):
 # GEMV
 # ---------------------------------------------------------------------------------------------
 
-def gemv_config(M, K, N, bits, epi):
+# Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
+RESIDENT_BLOCKS = 4 * 132
+
+
+def gemv_config(M, K, N, bits, epi, one_wave=False):
     """(VEC, R, NW): uint32 words per lane load, rows per warp, warps per block.
 
     Decode GEMVs are latency-bound: few rows per warp and small blocks give many short, parallel
     chains. Two rows per warp only where there are rows to spare (and always for the head kernel,
-    whose blocks must tile a head)."""
+    whose blocks must tile a head), and (one_wave: layer_one_wave) where one row per warp would
+    leave a second wave of blocks with long rows (K >= 4096) to run after the first."""
     VEC = 4 if M == 1 else (2 if M == 2 else 1)
     epw = lambda v: (8 if bits == 4 else 4) * v
     while VEC > 1 and K % epw(VEC):
         VEC //= 2
     nout = N // 2 if epi == 2 else N
     R = 2 if (epi == 3 or nout >= 4096) else 1
+    if one_wave and R == 1 and K >= 4096 and gemv_blocks(N, epi, 1, 4) > RESIDENT_BLOCKS:
+        R = 2
     return VEC, R, 4
 
 
@@ -447,7 +454,7 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True):
+                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -455,8 +462,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     block. prefetch (layer_prefetch): the GEMV phases wait inside gemv.cu (WAIT_INPUTS), once
     their weights are on the way, instead of before they start; wait_load (layer_wait_load):
     waits poll with loads instead of atomics; stamps: an extra output with each block's entry and
-    end times (layer_stamp); stage (x_stage): the GEMV phases stage x in shared memory where it fits;
-    fold: nibble_fold. Inputs of layer j carry the suffix j (x, off, the tickets and the
+    end times (layer_stamp); stage (x_stage): the GEMV phases stage x in shared memory where it fits
+    (and the attention blocks' static shared memory is small: see below); fold: nibble_fold;
+    one_wave: layer_one_wave (gemv_config). Inputs of layer j carry the suffix j (x, off, the tickets and the
     counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
     r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -467,8 +475,13 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     header = [f"#define LAYER_WAIT_LOAD {int(wait_load)}\n", _LAYER_HELPERS]
     waits = ["ctr", "wait_g", "wait_n"] if prefetch else []   # the phase waits inside (WAIT_INPUTS)
 
+    # The launch's static shared memory is the sum of its phases'; attention blocks of more than 256
+    # query-head values (GB * D) alone take 20-45 KB, and static + dynamic above 48 KB needs an
+    # opt-in that MLX makes only for dynamic sizes above 48000 bytes (else the launch is refused).
+    stage = stage and (gb or H // HKV) * D <= 256
+
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
-        vec, R, nw = gemv_config(M, K, N, bits, epi)
+        vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave)
         xk = x_stage(M, K, dtype, stage)
         smem[0] = max(smem[0], x_stage_bytes(M, K, bits, xk))
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, fold)
@@ -670,6 +683,7 @@ class FastBlock:
         self.wait_load = variant("layer_wait_load")
         self.stage = "x_stage" not in disabled
         self.fold = "nibble_fold" not in disabled
+        self.one_wave = variant("layer_one_wave")
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -773,7 +787,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.stage, self.fold)
+                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -802,7 +816,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                       len(blocks), stamps, fb.stage, fb.fold)
+                                       len(blocks), stamps, fb.stage, fb.fold, fb.one_wave)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
