@@ -31,8 +31,8 @@ FUSIONS = {
                       "registers, its rows into L2) before it waits for the previous phase",
     "layer_wait_load": "CUDA one-launch layer: blocks poll the previous phase's counter with loads "
                        "(off: atomic read-modify-writes, which queue with that phase's arrivals)",
-    "layer_one_wave": "CUDA one-launch layer: a GEMV phase with long rows (K >= 4096) takes 2 rows per warp "
-                      "where 1 would leave a second wave of blocks (Qwen3-4B o_proj and down)",
+    "layer_one_wave": "CUDA one-launch layer: a GEMV phase with long rows (K >= 2048) takes 2 or 4 rows per "
+                      "warp where fewer would leave a second wave of blocks (Qwen3-4B o_proj, down, QKV; 8B QKV)",
     "attn_head_split": "CUDA one-launch layer: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
     "x_stage": "CUDA GEMVs (half types, rows x in_features <= 4096): each block converts x to float (with "

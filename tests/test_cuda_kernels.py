@@ -367,6 +367,41 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
                 assert mx.array_equal(a5, a1)
 
 
+@pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1)])
+def test_one_wave_rows_per_warp_match(name, batch, L, monkeypatch):
+    """layer_one_wave gives warps 2 or 4 rows where blocks exceed one wave: forced onto a tiny
+    model (a one-block wave, any K), every GEMV phase takes its most rows per warp (QKV 4, so its
+    blocks tile a head in 4 instead of 16) and the layer's outputs and cache rows keep their bits."""
+    from mlx_fastops import synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
+    mlx_fastops.patch(model, disable=("compile",))
+    try:
+        fb = model.model.layers[0].fast_fn
+        assert fb.one_launch and fb.one_wave
+        k0 = mx.random.normal((batch, fb.HKV, 512, fb.D)).astype(mx.bfloat16)
+        x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
+        results = []
+        for forced in (False, True):
+            if forced:
+                monkeypatch.setattr(C, "RESIDENT_BLOCKS", 1)
+                monkeypatch.setattr(C, "ONE_WAVE_MIN_K", 0)
+                kernels.clear_builders()
+            M, K = batch * L, fb.K
+            assert C.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == (4 if forced else 2)
+            kc, vc = k0 + 0, k0 * 2
+            mx.eval(kc, vc)
+            results.append(fb.core(x, C.offset_array(300), kc, vc, kc) + (kc, vc))
+            mx.eval(results[-1])
+    finally:
+        mlx_fastops.unpatch(model)
+        kernels.clear_builders()   # no kernel built with the forced sizes outlives the test
+    for a, b in zip(*results):
+        assert mx.array_equal(a, b)
+
+
 @pytest.mark.parametrize("name,batch,L,prefetch", [("qwen3-tiny", 1, 1, False), ("llama-tiny", 2, 2, True),
                                                    ("qwen2-tiny", 1, 1, True)])
 def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monkeypatch):

@@ -65,6 +65,7 @@ def _name(kind, src):
 
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
 RESIDENT_BLOCKS = 4 * 132
+ONE_WAVE_MIN_K = 2048   # layer_one_wave: rows at least this long (shorter ones: a second wave is cheap)
 
 
 def gemv_config(M, K, N, bits, epi, one_wave=False):
@@ -72,16 +73,19 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
 
     Decode GEMVs are latency-bound: few rows per warp and small blocks give many short, parallel
     chains. Two rows per warp only where there are rows to spare (and always for the head kernel,
-    whose blocks must tile a head), and (one_wave: layer_one_wave) where one row per warp would
-    leave a second wave of blocks with long rows (K >= 4096) to run after the first."""
+    whose blocks must tile a head), and (one_wave: layer_one_wave) 2 or 4 where fewer would leave a
+    second wave of blocks with long rows (K >= ONE_WAVE_MIN_K) to run after the first: Qwen3-4B
+    o_proj/down 640 -> 320 blocks, Qwen3-4B/8B QKV 768 -> 384. At most 4 weight rows per warp
+    (gate/up: 2 gate + 2 up), as many as gate/up already holds."""
     VEC = 4 if M == 1 else (2 if M == 2 else 1)
     epw = lambda v: (8 if bits == 4 else 4) * v
     while VEC > 1 and K % epw(VEC):
         VEC //= 2
     nout = N // 2 if epi == 2 else N
     R = 2 if (epi == 3 or nout >= 4096) else 1
-    if one_wave and R == 1 and K >= 4096 and gemv_blocks(N, epi, 1, 4) > RESIDENT_BLOCKS:
-        R = 2
+    rmax = 2 if epi == 2 else 4
+    while one_wave and R < rmax and K >= ONE_WAVE_MIN_K and gemv_blocks(N, epi, R, 4) > RESIDENT_BLOCKS:
+        R *= 2   # the head kernel's blocks still tile a head: 4 warps x 4 rows divide D = 64/128/256
     return VEC, R, 4
 
 
