@@ -297,7 +297,7 @@
       }
     }
 #endif
-    // dot products: nibbles/bytes to fp32 through the 2^23 exponent trick
+    // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (FOLD4 above)
 #pragma unroll
     for (int r = 0; r < RR; ++r) {
       float d[M];

@@ -49,6 +49,17 @@ def test_byte_perm_unpacks_nibbles_like_the_gemv():
     assert np.asarray(y).tolist() == [float((w >> (4 * j)) & 0xF) for j in range(8)]
 
 
+def test_folded_nibbles_are_half_plus_q_over_32():
+    # gemv.cu's FOLD4: nibbles shifted to bits 3-6 of each byte, permuted under exponent 126
+    src = """int i = threadIdx.x;
+    unsigned w = x[0], lo = (w << 3) & 0x78787878u, hi = (w >> 1) & 0x78787878u;
+    if (i < 4) y[2 * i] = __int_as_float(__byte_perm(lo, 0x3F000000u, 0x7044 + (i << 8)));
+    if (i < 4) y[2 * i + 1] = __int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044 + (i << 8)));"""
+    w = 0x8A3F15C7
+    y = run(src, [mx.array([w], dtype=mx.uint32)], (8,), grid=(32, 1, 1), tg=(32, 1, 1))
+    assert np.asarray(y).tolist() == [0.5 + ((w >> (4 * j)) & 0xF) / 32 for j in range(8)]
+
+
 def test_in_place_write_to_a_strided_input_reaches_the_array():
     big = mx.zeros((2, 8, 4))
     view = big[:, 2:6]                     # strided: rows 2..5 of each batch
@@ -92,6 +103,19 @@ def test_shared_memory_is_poisoned_between_blocks():
     y[blockIdx.x * 32 + threadIdx.x] = s[threadIdx.x];"""
     y = np.asarray(run(src, [mx.zeros((1,))], (64,), grid=(64, 1, 1), tg=(32, 1, 1)))
     assert (y[:32] == 1).all() and np.isnan(y[32:]).all()
+
+
+def test_dynamic_shared_memory_is_one_buffer_of_the_kernels_size():
+    # every `extern __shared__` declaration names the same bytes (as in CUDA), poisoned per block
+    src = """extern __shared__ float4 a[];
+    extern __shared__ float b[];
+    if (blockIdx.x == 0) b[threadIdx.x] = threadIdx.x;
+    __syncthreads();
+    y[blockIdx.x * 32 + threadIdx.x] = reinterpret_cast<float*>(a)[threadIdx.x];"""
+    k = cuda_emu.cuda_kernel(name="t", input_names=["x"], output_names=["y"], source=src, shared_memory=128)
+    y = np.asarray(k(inputs=[mx.zeros((1,))], output_shapes=[(64,)], output_dtypes=[mx.float32], grid=(64, 1, 1),
+                     threadgroup=(32, 1, 1))[0])
+    assert (y[:32] == np.arange(32)).all() and np.isnan(y[32:]).all()
 
 
 TWO_GROUPS = """

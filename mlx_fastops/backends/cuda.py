@@ -16,8 +16,11 @@ or (layer_kernel disabled) in 5 launches, when the layer's cache is a `StaticKVC
   5. down GEMV + residual add
 The one-launch layer's variants each have a kill switch (config.FUSIONS): its GEMV phases start
 their weights before they wait (layer_prefetch), waits poll with loads (layer_wait_load),
-attention blocks take 2 query heads (attn_head_split), and the compiled step puts up to 4
-consecutive layers in one launch (layer_groups).
+attention blocks take 2 query heads (attn_head_split), GEMV phases take 2-4 rows per warp where
+that keeps them in one wave of blocks (layer_one_wave), and the compiled step puts up to 4
+consecutive layers in one launch (layer_groups). Every GEMV turns 4-bit weights into floats by one
+byte permute (nibble_fold) and, where x fits, converts (and normalizes) x once per block into
+shared memory (x_stage).
 Kernel objects are built lazily, once per (kernel, static shape class); model constants (norm
 eps, RoPE base) are #defines; per-step values (the cache offset) are int32 arrays of 16 bytes; the
 cache buffers are read and written through their strides. Without a GPU the same wrappers run
@@ -468,9 +471,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     waits poll with loads instead of atomics; stamps: an extra output with each block's entry and
     end times (layer_stamp); stage (x_stage): the GEMV phases stage x in shared memory where it fits
     (and the attention blocks' static shared memory is small: see below); fold: nibble_fold;
-    one_wave: layer_one_wave (gemv_config). Inputs of layer j carry the suffix j (x, off, the tickets and the
-    counters are shared); layer j > 0 reads the previous layer's output from the scratch outputs
-    r0/r1 (alternating), the last layer writes `out`."""
+    one_wave: layer_one_wave (gemv_config). Inputs of layer j carry the suffix j (x, off, the
+    tickets and the counters are shared); layer j > 0 reads the previous layer's output from the
+    scratch outputs r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
