@@ -12,6 +12,10 @@
 #   bash benchmarks/cuda_visit.sh layer    # the layer-launch kernel tests (~4 min)
 #   bash benchmarks/cuda_visit.sh variants # bench beside the variants without layer_groups / layer_kernel (~6 min)
 #   bash benchmarks/cuda_visit.sh phases   # time per phase inside the layer launch, Qwen3-0.6B and 8B (~1.5 min)
+#   bash benchmarks/cuda_visit.sh all      # correctness, then phases (8B, 4B, 0.6B), then bench at 3
+#                                          # repetitions (~7.5 min); every log in $OUT/all.tgz
+# The device returns at most 8 files from $OUT (alphabetically): pack anything larger into a tarball.
+# Its idle warm time counts against the session's budget: hand it back (give_back) after a visit.
 set -o pipefail
 mode=${1:-trace}
 export PYTHONUNBUFFERED=1
@@ -56,5 +60,23 @@ case "$mode" in
   phases)
     timeout 300 python3 benchmarks/cuda_layer_phases.py --layers 4,1 --out "$OUT" > "$OUT/phases.log" 2>&1
     tail -n 60 "$OUT/phases.log" ;;
+  all)
+    A="$OUT/all"; mkdir -p "$A"
+    # the two suites side by side, capped so that the whole mode fits one 600 s device call
+    timeout 280 python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py -p no:cacheprovider \
+      > "$A/test_kernels.log" 2>&1 & tests=$!
+    timeout 280 python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py -p no:cacheprovider \
+      > "$A/test_models.log" 2>&1
+    wait $tests
+    tail -n 2 "$A/test_kernels.log"; grep -E "passed|failed|FAILED" "$A/test_models.log" | tail -n 4
+    timeout 100 python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 \
+      --out "$A/phases_large" > "$A/phases_large.log" 2>&1
+    timeout 80 python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \
+      --out "$A/phases_small" > "$A/phases_small.log" 2>&1
+    tail -n 5 "$A/phases_large.log" "$A/phases_small.log"
+    timeout 200 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
+      --out "$A/cuda_bench" > "$A/bench.log" 2>&1
+    grep -E "tg128|pp" "$A/cuda_bench.md" | cut -c1-110
+    tar czf "$OUT/all.tgz" -C "$A" . ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
