@@ -367,6 +367,44 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
                 assert mx.array_equal(a5, a1)
 
 
+# Real layer shapes ((bits, gs, N, K) of qkv, o, gate/up, down), heads (H, HKV, D), then the blocks
+# of the GEMV phases of one launch at batch 1 (qkv, o, gate/up, down) and whether x is staged.
+LAYERS = [
+    ("qwen3-0.6b", ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072)),
+     (16, 8, 128), (512, 256, 768, 256), True),
+    ("qwen3-4b", ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728)),
+     (32, 8, 128), (384, 320, 1216, 320), True),
+    ("qwen3-8b", ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288)),
+     (32, 8, 128), (384, 512, 1536, 512), True),
+    ("llama-3.2-1b", ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192)),
+     (32, 8, 64), (384, 512, 1024, 512), True),
+    ("qwen2.5-0.5b", ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864)),
+     (14, 2, 64), (144, 224, 608, 224), False),
+]
+
+
+@pytest.mark.parametrize("name,shapes,heads,blocks,staged", LAYERS)
+def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
+    """How the one-launch layer is cut on the H200 (as measured: benchmarks/results/cuda_notes.md):
+    layer_one_wave keeps Qwen3-4B's o_proj/down and Qwen3-4B/8B's QKV in one wave of 528 blocks and
+    leaves the rest; x is staged in shared memory except beside attention blocks of more than 256
+    query-head values (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared memory)."""
+    H, HKV, D = heads
+    G = H // HKV
+    gb = 2 if G % 2 == 0 else G   # attn_head_split
+    head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
+                log2_base=20.0, scale=1.0)
+    with kernels.use_cuda_factory(lambda **kw: kw):   # capture the kernel's arguments, build nothing
+        kw, groups, _ = C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())), 17,
+                                       0.088, gb, True, True, one_wave=True)
+        off = C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())), 17, 0.088, gb,
+                             True, True, one_wave=False)[1]
+    assert (groups[0], *groups[2:]) == blocks
+    assert max(groups[i] for i in (0, 2, 4)) <= C.RESIDENT_BLOCKS or name == "qwen3-0.6b"
+    assert all(a >= b for a, b in zip(off, groups))   # the rule only ever removes blocks
+    assert (kw["shared_memory"] > 0) == staged
+
+
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1)])
 def test_one_wave_rows_per_warp_match(name, batch, L, monkeypatch):
     """layer_one_wave gives warps 2 or 4 rows where blocks exceed one wave: forced onto a tiny
