@@ -7,6 +7,8 @@
 # NVRTC compiles, ~3 s per kernel variant, run on the CPU).
 #   bash benchmarks/cuda_visit.sh trace    # kernel timeline of Qwen3-0.6B decode, stock vs patched (~1 min)
 #   bash benchmarks/cuda_visit.sh ncu      # Nsight Compute sections of the 0.6B kernels (~1 min)
+#   bash benchmarks/cuda_visit.sh ncu_layer  # the same for the Qwen3-8B layer launch, with memory
+#                                          # workload and stall reasons (written 2026-11-30, not yet run)
 #   bash benchmarks/cuda_visit.sh bench    # benchmarks/results/cuda_bench.* for 4 models, 4 repetitions (~2.5 min: 105 s at 3)
 #   bash benchmarks/cuda_visit.sh kernels  # benchmarks/results/cuda_kernels.* (~1-2 min)
 #   bash benchmarks/cuda_visit.sh layer    # the layer-launch kernel tests (~4 min)
@@ -42,6 +44,13 @@ case "$mode" in
       --section WarpStateStats --section Occupancy --section LaunchStats \
       python3 benchmarks/cuda_kernels.py --only 0.6B --calls 1 --reps 1 --wall-only --out "$OUT/ncu_kernels" > "$OUT/ncu.log" 2>&1
     grep -E "fastops|Duration|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Grid Size" "$OUT/ncu.log" | head -120 ;;
+  ncu_layer)
+    timeout 240 ncu --clock-control none -k regex:fastops_layer --launch-count 4 --section SpeedOfLight \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      python3 benchmarks/cuda_layer_phases.py --models qwen3-8b --layers 1 --reps 2 --out "$OUT/ncu_phases" \
+      > "$OUT/ncu_layer.log" 2>&1
+    grep -E "fastops|Duration|Throughput|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|Stall" \
+      "$OUT/ncu_layer.log" | head -80 ;;
   bench)
     timeout 560 python3 benchmarks/cuda_bench.py --reps 4 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
       --out benchmarks/results/cuda_bench > "$OUT/bench.log" 2>&1
