@@ -26,10 +26,10 @@ XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 case "$mode" in
   tests)
-    timeout 560 python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
+    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
     tail -n 8 "$OUT/test_kernels.log" ;;
   models)
-    timeout 420 python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py -p no:cacheprovider > "$OUT/test_models.log" 2>&1
     grep -E "row|passed|failed|FAILED" "$OUT/test_models.log" | tail -n 60 ;;
   correctness)
     bash "$0" tests > "$OUT/visit_tests.txt" 2>&1 & tests=$!
@@ -72,12 +72,7 @@ case "$mode" in
   all)
     A="$OUT/all"; mkdir -p "$A"
     # the two suites side by side, capped so that the whole mode fits one 600 s device call
-    timeout 280 python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py -p no:cacheprovider \
-      > "$A/test_kernels.log" 2>&1 & tests=$!
-    timeout 280 python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py -p no:cacheprovider \
-      > "$A/test_models.log" 2>&1
-    wait $tests
-    tail -n 2 "$A/test_kernels.log"; grep -E "passed|failed|FAILED" "$A/test_models.log" | tail -n 4
+    OUT="$A" TEST_TIMEOUT=280 bash "$0" correctness
     timeout 100 python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 \
       --out "$A/phases_large" > "$A/phases_large.log" 2>&1
     timeout 80 python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \

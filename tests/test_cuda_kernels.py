@@ -394,11 +394,11 @@ def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     gb = 2 if G % 2 == 0 else G   # attn_head_split
     head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
                 log2_base=20.0, scale=1.0)
+    build = lambda one_wave: C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())),
+                                            17, 0.088, gb, True, True, one_wave=one_wave)
     with kernels.use_cuda_factory(lambda **kw: kw):   # capture the kernel's arguments, build nothing
-        kw, groups, _ = C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())), 17,
-                                       0.088, gb, True, True, one_wave=True)
-        off = C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())), 17, 0.088, gb,
-                             True, True, one_wave=False)[1]
+        kw, groups, _ = build(True)
+        off = build(False)[1]
     assert (groups[0], *groups[2:]) == blocks
     assert max(groups[i] for i in (0, 2, 4)) <= C.RESIDENT_BLOCKS or name == "qwen3-0.6b"
     assert all(a >= b for a, b in zip(off, groups))   # the rule only ever removes blocks

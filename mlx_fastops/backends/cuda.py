@@ -71,6 +71,11 @@ RESIDENT_BLOCKS = 4 * 132
 ONE_WAVE_MIN_K = 2048   # layer_one_wave: rows at least this long (shorter ones: a second wave is cheap)
 
 
+def lane_elems(bits, vec):
+    """EPW of gemv.cu: the k a lane covers per step (VEC uint32 words of 8 nibbles or 4 bytes)."""
+    return (8 if bits == 4 else 4) * vec
+
+
 def gemv_config(M, K, N, bits, epi, one_wave=False):
     """(VEC, R, NW): uint32 words per lane load, rows per warp, warps per block.
 
@@ -81,8 +86,7 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
     o_proj/down 640 -> 320 blocks, Qwen3-4B/8B QKV 768 -> 384. At most 4 weight rows per warp
     (gate/up: 2 gate + 2 up), as many as gate/up already holds."""
     VEC = 4 if M == 1 else (2 if M == 2 else 1)
-    epw = lambda v: (8 if bits == 4 else 4) * v
-    while VEC > 1 and K % epw(VEC):
+    while VEC > 1 and K % lane_elems(bits, VEC):
         VEC //= 2
     nout = N // 2 if epi == 2 else N
     R = 2 if (epi == 3 or nout >= 4096) else 1
@@ -103,10 +107,9 @@ def x_stage(M, K, dtype, on=True):
     return K if on and dtype in _HALF and M * K <= STAGE_MAX_FLOATS else 0
 
 
-def x_stage_bytes(M, K, bits, xk):
+def x_stage_bytes(M, bits, vec, xk):
     """Dynamic shared memory of a GEMV that stages x (xk = K): M*K floats and one sum per lane-step."""
-    vec = gemv_config(M, K, 1, bits, 0)[0]
-    return 4 * M * (xk + xk // ((8 if bits == 4 else 4) * vec)) if xk else 0
+    return 4 * M * (xk + xk // lane_elems(bits, vec)) if xk else 0
 
 
 def gemv_inputs(norm, bias, res, head=None):
@@ -154,12 +157,12 @@ def gemv_blocks(N, epi, R, nw):
 
 
 @cached_builder
-def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, xk, smem, fold):
+def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, xk, fold):
     head = dict(head_items) if head_items else None
     src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head, xk, fold), dtype)
     return cuda_kernel(name=_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
                        output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3),
-                       shared_memory=smem)
+                       shared_memory=x_stage_bytes(M, bits, vec, xk))
 
 
 def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items, stage=True, fold=True):
@@ -167,8 +170,7 @@ def _gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items, stag
     stage: x may be staged in shared memory (x_stage); fold: nibble_fold."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
     xk = x_stage(M, K, dtype, stage)
-    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, xk,
-                       x_stage_bytes(M, K, bits, xk), fold)
+    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, xk, fold)
     return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 
@@ -490,7 +492,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave)
         xk = x_stage(M, K, dtype, stage)
-        smem[0] = max(smem[0], x_stage_bytes(M, K, bits, xk))
+        smem[0] = max(smem[0], x_stage_bytes(M, bits, vec, xk))
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, fold)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         if prefetch:
