@@ -14,6 +14,9 @@
 #   bash benchmarks/cuda_visit.sh layer    # the layer-launch kernel tests (~4 min)
 #   bash benchmarks/cuda_visit.sh variants # bench beside the variants without layer_groups / layer_kernel (~6 min)
 #   bash benchmarks/cuda_visit.sh phases   # time per phase inside the layer launch, Qwen3-0.6B and 8B (~1.5 min)
+#   bash benchmarks/cuda_visit.sh host     # benchmarks/cuda_host.py (launch cost by source length; 1/2/4 layers
+#                                          # per launch, Qwen3-4B/8B), then an Nsight Systems NVTX/CUDA-API
+#                                          # summary of 4B decode where nsys is installed (~3 min)
 #   bash benchmarks/cuda_visit.sh all      # correctness, then phases (8B, 4B, 0.6B), then bench at 3
 #                                          # repetitions (~7.5 min); every log in $OUT/all.tgz
 # The device returns at most 8 files from $OUT (alphabetically): pack anything larger into a tarball.
@@ -69,6 +72,15 @@ case "$mode" in
   phases)
     timeout 300 python3 benchmarks/cuda_layer_phases.py --layers 4,1 --out "$OUT" > "$OUT/phases.log" 2>&1
     tail -n 60 "$OUT/phases.log" ;;
+  host)
+    timeout 240 python3 benchmarks/cuda_host.py --out "$OUT/cuda_host" > "$OUT/host.log" 2>&1
+    tail -n 24 "$OUT/host.log"
+    if command -v nsys > /dev/null; then
+      timeout 150 nsys profile -t cuda,nvtx --sample=none --cpuctxsw=none -o "$OUT/host_4b" python3 benchmarks/cuda_host.py \
+        --skip-launch --models qwen3-4b --groups "" --reps 2 --out "$OUT/host_nsys_run" > "$OUT/host_nsys.log" 2>&1
+      nsys stats -q -r nvtx_sum,cuda_api_sum "$OUT/host_4b.nsys-rep" > "$OUT/host_nsys_stats.txt" 2>&1
+      rm -f "$OUT"/host_4b.*; head -n 45 "$OUT/host_nsys_stats.txt" | cut -c1-160
+    else echo "no nsys"; fi ;;
   all)
     A="$OUT/all"; mkdir -p "$A"
     # the two suites side by side, capped so that the whole mode fits one 600 s device call
