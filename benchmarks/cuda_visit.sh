@@ -17,6 +17,9 @@
 #   bash benchmarks/cuda_visit.sh host     # benchmarks/cuda_host.py (launch cost by source length; 1/2/4 layers
 #                                          # per launch, Qwen3-4B/8B), then an Nsight Systems NVTX/CUDA-API
 #                                          # summary of 4B decode where nsys is installed (~3 min)
+#   bash benchmarks/cuda_visit.sh ab NAME  # phases (8B, 4B; 0.6B at 4 and 1 layers per launch) and the bench
+#                                          # (3 repetitions), each beside the variant without fusion NAME
+#                                          # (~9 min); every log in $OUT/ab.tgz
 #   bash benchmarks/cuda_visit.sh all      # correctness, then phases (8B, 4B, 0.6B), then bench at 3
 #                                          # repetitions (~7.5 min); every log in $OUT/all.tgz
 # The device returns at most 8 files from $OUT (alphabetically): pack anything larger into a tarball.
@@ -81,6 +84,17 @@ case "$mode" in
       nsys stats -q -r nvtx_sum,cuda_api_sum "$OUT/host_4b.nsys-rep" > "$OUT/host_nsys_stats.txt" 2>&1
       rm -f "$OUT"/host_4b.*; head -n 45 "$OUT/host_nsys_stats.txt" | cut -c1-160
     else echo "no nsys"; fi ;;
+  ab)
+    name=${2:?usage: cuda_visit.sh ab NAME}; A="$OUT/ab"; mkdir -p "$A"
+    timeout 130 python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 \
+      --disable '' --disable "$name" --out "$A/phases_large" > "$A/phases_large.log" 2>&1
+    timeout 90 python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \
+      --disable '' --disable "$name" --out "$A/phases_small" > "$A/phases_small.log" 2>&1
+    tail -n 9 "$A/phases_large.log" "$A/phases_small.log"
+    timeout 340 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
+      --disable "$name" --out "$A/cuda_bench" > "$A/bench.log" 2>&1
+    grep -E "tg128|pp" "$A/cuda_bench.md" | cut -c1-150
+    tar czf "$OUT/ab.tgz" -C "$A" . ;;
   all)
     A="$OUT/all"; mkdir -p "$A"
     # the two suites side by side, capped so that the whole mode fits one 600 s device call

@@ -40,8 +40,12 @@
 //                const_cast: MLX never sees the write; later readers are ordered after this
 //                launch through their use of yq). The completing block resets its ticket to 0.
 //
+// Row groups in turn (STREAM, a fused launch's EPI 0-2 phases): the phase launches STREAM blocks and
+// block b runs row groups b, b + STREAM, ... (each as a block of its own would), sending the next
+// group's rows to L2 before it starts the current one; the prologue (norm, staged x) runs once.
+//
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
-// fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
+// fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], [STREAM], BITS, GS, M, R,
 // NW, VEC, EPI, FOLD4, XK, HAS_NORM (+ EPS), HAS_BIAS, and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
@@ -62,15 +66,18 @@
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row0 = (BLOCK_X * NW + warp) * R;
-
-  int wrow[RR];
+  // The block's row group (NW * R output rows); with STREAM, groups BLOCK_X, + STREAM, ... in turn.
+  int vb = BLOCK_X;
+  auto group_rows = [&](int g, int* rows) {
 #pragma unroll
-  for (int r = 0; r < RR; ++r) {
-    const int lr = row0 + (r % R);
-    const int n = (EPI == 2 && r >= R) ? lr + NOUT : lr;
-    wrow[r] = lr < NOUT ? n : 0;   // rows past the end read row 0 and are not stored
-  }
+    for (int r = 0; r < RR; ++r) {
+      const int lr = (g * NW + warp) * R + (r % R);
+      const int n = (EPI == 2 && r >= R) ? lr + NOUT : lr;
+      rows[r] = lr < NOUT ? n : 0;   // rows past the end read row 0 and are not stored
+    }
+  };
+  int wrow[RR];
+  group_rows(vb, wrow);
 
   uint32_t wv[RR][VEC];
   float sv[RR], bv[RR];
@@ -93,18 +100,24 @@
     }
   };
   if (lane * EPW < K) load_w(lane * EPW);
+#if defined(WAIT_INPUTS) || STREAM
+  // Rows (weights, scales, biases) sent on to L2 ahead of their loads.
+  auto prefetch_rows = [&](const int* rows) {
+#pragma unroll
+    for (int r = 0; r < RR; ++r) {
+      for (int i = lane * 32; i < KW; i += 32 * 32) prefetch_l2(w + (size_t)rows[r] * KW + i);
+      if (lane == 0) {
+        prefetch_l2(sc + (size_t)rows[r] * NG);
+        prefetch_l2(bi + (size_t)rows[r] * NG);
+      }
+    }
+  };
+#endif
 #ifdef WAIT_INPUTS
   // A phase of the one-launch layer (layer_prefetch): the weights do not depend on the
   // earlier phases, so this warp's rows (and their scales/biases) are sent on to L2 before the
   // block waits for its inputs. Nothing above reads x, res or any earlier phase's output.
-#pragma unroll
-  for (int r = 0; r < RR; ++r) {
-    for (int i = lane * 32; i < KW; i += 32 * 32) prefetch_l2(w + (size_t)wrow[r] * KW + i);
-    if (lane == 0) {
-      prefetch_l2(sc + (size_t)wrow[r] * NG);
-      prefetch_l2(bi + (size_t)wrow[r] * NG);
-    }
-  }
+  prefetch_rows(wrow);
   WAIT_INPUTS;
 #endif
 
@@ -220,173 +233,193 @@
   __syncthreads();
 #endif
 
-  float acc[RR][M];
-#pragma unroll
-  for (int r = 0; r < RR; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-
-  for (int ks = 0; ks < K; ks += KSTEP) {
-    const int k0 = ks + lane * EPW;
-    if (k0 >= K) break;   // only in the last, partial step; no collectives inside the loop
-    uint32_t cw[RR][VEC];
-    float cs[RR], cb[RR];
-#pragma unroll
-    for (int r = 0; r < RR; ++r) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) cw[r][v] = wv[r][v];
-      cs[r] = sv[r];
-      cb[r] = bv[r];
+  for (;;) {   // row groups
+#if STREAM
+    // the next row group's rows go to L2 while this one runs (its loads then hit L2)
+    if (vb + STREAM < (NOUT + NW * R - 1) / (NW * R)) {
+      int next[RR];
+      group_rows(vb + STREAM, next);
+      prefetch_rows(next);
     }
-    if (k0 + KSTEP < K) load_w(k0 + KSTEP);   // next step in flight
+#endif
+    const int row0 = (vb * NW + warp) * R;
+    float acc[RR][M];
+#pragma unroll
+    for (int r = 0; r < RR; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
-    // activations: EPW values per row, 16-byte loads
-    float xf[M][EPW];
-    float sx[M];
+    for (int ks = 0; ks < K; ks += KSTEP) {
+      const int k0 = ks + lane * EPW;
+      if (k0 >= K) break;   // only in the last, partial step; no collectives inside the loop
+      uint32_t cw[RR][VEC];
+      float cs[RR], cb[RR];
+#pragma unroll
+      for (int r = 0; r < RR; ++r) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) cw[r][v] = wv[r][v];
+        cs[r] = sv[r];
+        cb[r] = bv[r];
+      }
+      if (k0 + KSTEP < K) load_w(k0 + KSTEP);   // next step in flight
+
+      // activations: EPW values per row, 16-byte loads
+      float xf[M][EPW];
+      float sx[M];
 #if XK
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int ch = k0 / EPW;
+      for (int m = 0; m < M; ++m) {
+        const int ch = k0 / EPW;
 #pragma unroll
-      for (int j = 0; j < EPW / 4; ++j) {
-        const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
-        xf[m][4 * j] = t.x; xf[m][4 * j + 1] = t.y; xf[m][4 * j + 2] = t.z; xf[m][4 * j + 3] = t.w;
-      }
-      sx[m] = s_xsum[m * NCH + ch];
-    }
-#else
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const T* xp = x + (size_t)m * K + k0;
-      constexpr int PER = 16 / (int)sizeof(T);
-      constexpr int XV = PER < EPW ? PER : EPW;      // elements per x load
-      sx[m] = 0.f;
-#pragma unroll
-      for (int c = 0; c < EPW; c += XV) {
-        alignas(16) T tmp[XV];
-#if HAS_NORM
-        alignas(16) T nwt[XV];
-#endif
-        if constexpr (XV * sizeof(T) == 16) {
-          *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(xp + c);
-#if HAS_NORM
-          *reinterpret_cast<uint4*>(nwt) = *reinterpret_cast<const uint4*>(nw + k0 + c);
-#endif
-        } else if constexpr (XV * sizeof(T) == 8) {
-          *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(xp + c);
-#if HAS_NORM
-          *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + k0 + c);
-#endif
-        } else {
-          *reinterpret_cast<uint32_t*>(tmp) = *reinterpret_cast<const uint32_t*>(xp + c);
-#if HAS_NORM
-          *reinterpret_cast<uint32_t*>(nwt) = *reinterpret_cast<const uint32_t*>(nw + k0 + c);
-#endif
+        for (int j = 0; j < EPW / 4; ++j) {
+          const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
+          xf[m][4 * j] = t.x; xf[m][4 * j + 1] = t.y; xf[m][4 * j + 2] = t.z; xf[m][4 * j + 3] = t.w;
         }
-#pragma unroll
-        for (int j = 0; j < XV; ++j) {
-#if HAS_NORM
-          const T nv = static_cast<T>(static_cast<float>(tmp[j]) * s_inv[m]);
-          const float v = static_cast<float>(static_cast<T>(static_cast<float>(nwt[j]) * static_cast<float>(nv)));
-#else
-          const float v = static_cast<float>(tmp[j]);
-#endif
-          xf[m][c + j] = v;
-          sx[m] += v;
-        }
+        sx[m] = s_xsum[m * NCH + ch];
       }
-    }
-#endif
-    // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (FOLD4 above)
-#pragma unroll
-    for (int r = 0; r < RR; ++r) {
-      float d[M];
-#pragma unroll
-      for (int m = 0; m < M; ++m) d[m] = 0.f;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        const uint32_t wd = cw[r][v];
-        if constexpr (BITS == 4) {
-#if FOLD4
-          const uint32_t lo = (wd << 3) & 0x78787878u;   // even elements, at bits 3-6 of each byte
-          const uint32_t hi = (wd >> 1) & 0x78787878u;   // odd elements
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float q0 = __int_as_float(__byte_perm(lo, 0x3F000000u, 0x7044 + (j << 8)));
-            const float q1 = __int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044 + (j << 8)));
 #else
-          const uint32_t lo = wd & 0x0F0F0F0Fu;
-          const uint32_t hi = (wd >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float q0 = __int_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + j)) - 8388608.f;
-            const float q1 = __int_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + j)) - 8388608.f;
-#endif
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-              d[m] = fmaf(xf[m][v * 8 + 2 * j], q0, d[m]);
-              d[m] = fmaf(xf[m][v * 8 + 2 * j + 1], q1, d[m]);
-            }
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float q0 = __int_as_float(__byte_perm(wd, 0x4B000000u, 0x7540 + j)) - 8388608.f;
-#pragma unroll
-            for (int m = 0; m < M; ++m) d[m] = fmaf(xf[m][v * 4 + j], q0, d[m]);
-          }
-        }
-      }
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const float dq = (FOLD4 && BITS == 4) ? fmaf(32.f, d[m], -16.f * sx[m]) : d[m];
-        acc[r][m] += cs[r] * dq + cb[r] * sx[m];
+        const T* xp = x + (size_t)m * K + k0;
+        constexpr int PER = 16 / (int)sizeof(T);
+        constexpr int XV = PER < EPW ? PER : EPW;      // elements per x load
+        sx[m] = 0.f;
+#pragma unroll
+        for (int c = 0; c < EPW; c += XV) {
+          alignas(16) T tmp[XV];
+#if HAS_NORM
+          alignas(16) T nwt[XV];
+#endif
+          if constexpr (XV * sizeof(T) == 16) {
+            *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(xp + c);
+#if HAS_NORM
+            *reinterpret_cast<uint4*>(nwt) = *reinterpret_cast<const uint4*>(nw + k0 + c);
+#endif
+          } else if constexpr (XV * sizeof(T) == 8) {
+            *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(xp + c);
+#if HAS_NORM
+            *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + k0 + c);
+#endif
+          } else {
+            *reinterpret_cast<uint32_t*>(tmp) = *reinterpret_cast<const uint32_t*>(xp + c);
+#if HAS_NORM
+            *reinterpret_cast<uint32_t*>(nwt) = *reinterpret_cast<const uint32_t*>(nw + k0 + c);
+#endif
+          }
+#pragma unroll
+          for (int j = 0; j < XV; ++j) {
+#if HAS_NORM
+            const T nv = static_cast<T>(static_cast<float>(tmp[j]) * s_inv[m]);
+            const float v = static_cast<float>(static_cast<T>(static_cast<float>(nwt[j]) * static_cast<float>(nv)));
+#else
+            const float v = static_cast<float>(tmp[j]);
+#endif
+            xf[m][c + j] = v;
+            sx[m] += v;
+          }
+        }
+      }
+#endif
+      // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (FOLD4 above)
+#pragma unroll
+      for (int r = 0; r < RR; ++r) {
+        float d[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) d[m] = 0.f;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const uint32_t wd = cw[r][v];
+          if constexpr (BITS == 4) {
+#if FOLD4
+            const uint32_t lo = (wd << 3) & 0x78787878u;   // even elements, at bits 3-6 of each byte
+            const uint32_t hi = (wd >> 1) & 0x78787878u;   // odd elements
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float q0 = __int_as_float(__byte_perm(lo, 0x3F000000u, 0x7044 + (j << 8)));
+              const float q1 = __int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044 + (j << 8)));
+#else
+            const uint32_t lo = wd & 0x0F0F0F0Fu;
+            const uint32_t hi = (wd >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float q0 = __int_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + j)) - 8388608.f;
+              const float q1 = __int_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + j)) - 8388608.f;
+#endif
+#pragma unroll
+              for (int m = 0; m < M; ++m) {
+                d[m] = fmaf(xf[m][v * 8 + 2 * j], q0, d[m]);
+                d[m] = fmaf(xf[m][v * 8 + 2 * j + 1], q1, d[m]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float q0 = __int_as_float(__byte_perm(wd, 0x4B000000u, 0x7540 + j)) - 8388608.f;
+#pragma unroll
+              for (int m = 0; m < M; ++m) d[m] = fmaf(xf[m][v * 4 + j], q0, d[m]);
+            }
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float dq = (FOLD4 && BITS == 4) ? fmaf(32.f, d[m], -16.f * sx[m]) : d[m];
+          acc[r][m] += cs[r] * dq + cb[r] * sx[m];
+        }
       }
     }
-  }
 
-  // ---- warp reduction; lane r*M + m stores (row r, activation m) ----
+    // ---- warp reduction; lane r*M + m stores (row r, activation m) ----
 #pragma unroll
-  for (int r = 0; r < RR; ++r)
+    for (int r = 0; r < RR; ++r)
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[r][m];
+      for (int m = 0; m < M; ++m) {
+        float v = acc[r][m];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      acc[r][m] = v;
-    }
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        acc[r][m] = v;
+      }
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int n = row0 + r;
+    for (int r = 0; r < R; ++r) {
+      const int n = row0 + r;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      if (lane != ((r * M + m) & 31) || n >= NOUT) continue;
+      for (int m = 0; m < M; ++m) {
+        if (lane != ((r * M + m) & 31) || n >= NOUT) continue;
 #if EPI == 0
-      T t = static_cast<T>(acc[r][m]);
+        T t = static_cast<T>(acc[r][m]);
 #if HAS_BIAS
-      t = static_cast<T>(static_cast<float>(t) + static_cast<float>(bias[n]));
+        t = static_cast<T>(static_cast<float>(t) + static_cast<float>(bias[n]));
 #endif
-      y[(size_t)m * NOUT + n] = t;
+        y[(size_t)m * NOUT + n] = t;
 #elif EPI == 1
-      const T t = static_cast<T>(acc[r][m]);
-      y[(size_t)m * NOUT + n] = static_cast<T>(static_cast<float>(res[(size_t)m * NOUT + n]) + static_cast<float>(t));
+        const T t = static_cast<T>(acc[r][m]);
+        y[(size_t)m * NOUT + n] = static_cast<T>(static_cast<float>(res[(size_t)m * NOUT + n]) + static_cast<float>(t));
 #elif EPI == 2
-      const float gt = static_cast<float>(static_cast<T>(acc[r][m]));
-      const float ut = static_cast<float>(static_cast<T>(acc[r + R][m]));
-      const float sg = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gt))));
-      const float a = static_cast<float>(static_cast<T>(gt * sg));
-      y[(size_t)m * NOUT + n] = static_cast<T>(a * ut);
+        const float gt = static_cast<float>(static_cast<T>(acc[r][m]));
+        const float ut = static_cast<float>(static_cast<T>(acc[r + R][m]));
+        const float sg = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gt))));
+        const float a = static_cast<float>(static_cast<T>(gt * sg));
+        y[(size_t)m * NOUT + n] = static_cast<T>(a * ut);
 #else
-      T t = static_cast<T>(acc[r][m]);
+        T t = static_cast<T>(acc[r][m]);
 #if HAS_BIAS
-      t = static_cast<T>(static_cast<float>(t) + static_cast<float>(bias[n]));
+        t = static_cast<T>(static_cast<float>(t) + static_cast<float>(bias[n]));
 #endif
-      ys[(size_t)m * N + n] = static_cast<float>(t);
+        ys[(size_t)m * N + n] = static_cast<float>(t);
 #endif
+      }
     }
+#if STREAM
+    vb += STREAM;
+    if (vb >= (NOUT + NW * R - 1) / (NW * R)) break;
+    group_rows(vb, wrow);
+    if (lane * EPW < K) load_w(lane * EPW);
+#else
+    break;
+#endif
   }
 
 #if EPI == 3
+  static_assert(!STREAM, "a head's blocks are its row groups");
   // ---- head epilogue, by the block that completes the head ----
   constexpr int PARTS = D / (NW * R);            // blocks per head
   const int hb = (BLOCK_X * NW * R) / D;         // head index over q, k, v heads

@@ -33,6 +33,9 @@ FUSIONS = {
                        "(off: atomic read-modify-writes, which queue with that phase's arrivals)",
     "layer_one_wave": "CUDA one-launch layer: a GEMV phase with long rows (K >= 2048) takes 2 or 4 rows per "
                       "warp where fewer would leave a second wave of blocks (Qwen3-4B o_proj, down, QKV; 8B QKV)",
+    "layer_stream": "CUDA one-launch layer: a GEMV phase of more row groups than one wave of blocks "
+                    "holds (gate/up) launches one wave, each block running several groups in turn with "
+                    "the next group's rows sent to L2 ahead (one prologue per block)",
     "attn_head_split": "CUDA one-launch layer: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
     "x_stage": "CUDA GEMVs (half types, rows x in_features <= 4096): each block converts x to float (with "

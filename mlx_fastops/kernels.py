@@ -100,6 +100,72 @@ def compact_source(src):
     return "".join(line.strip() + "\n" for line in src.splitlines() if line.strip())
 
 
+_DIRECTIVE = re.compile(r"\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)")
+
+
+def _condition(directive, expr, defines):
+    """True/False for `#if NAME`, `#if NAME == <int>`, `#ifdef NAME`, `#ifndef NAME` over the
+    integer-valued `defines`; None for anything else (left to the compiler)."""
+    expr = expr.split("//")[0].strip()
+    if directive in ("ifdef", "ifndef"):
+        return (directive == "ifdef") if expr in defines else None
+    m = re.fullmatch(r"(\w+)(?:\s*==\s*(-?\d+))?", expr)
+    if not m or m.group(1) not in defines:
+        return None
+    try:
+        v = int(defines[m.group(1)])
+    except (TypeError, ValueError):
+        return None
+    return v == int(m.group(2)) if m.group(2) is not None else v != 0
+
+
+def resolve_conditionals(src, defines):
+    """src with each conditional that `defines` decide (see _condition) cut down to the branch
+    taken; the others stay. The compiler would drop the same text: this only shortens the source
+    (MLX hashes a CUDA kernel's source at every launch: see cuda_kernel)."""
+    out, stack, emitting = [], [], True   # stack frames: [mode, emitting outside, a branch taken]
+    for line in src.splitlines(keepends=True):
+        m = _DIRECTIVE.match(line)
+        if not m:
+            if emitting:
+                out.append(line)
+            continue
+        d, expr = m.groups()
+        if d in ("if", "ifdef", "ifndef"):
+            v = _condition(d, expr, defines) if emitting else None
+            mode = "skip" if not emitting else ("keep" if v is None else "cut")
+            stack.append([mode, emitting, bool(v)])
+            if mode == "keep":
+                out.append(line)
+            elif mode == "cut":
+                emitting = bool(v)
+            continue
+        frame = stack[-1]
+        mode, outer, taken = frame
+        if mode == "keep":
+            out.append(line)
+        elif mode == "cut":
+            if d == "elif":
+                v = None if taken else _condition("if", expr, defines)
+                if not taken and v is None:   # undecided after decided-false branches: an #if now
+                    frame[0] = "keep"
+                    out.append(line.replace("elif", "if", 1))
+                    emitting = outer
+                    continue
+                emitting = bool(v) and not taken
+                frame[2] = taken or bool(v)
+            elif d == "else":
+                emitting = outer and not taken
+                frame[2] = True
+            else:
+                emitting = outer
+        if d == "endif":
+            stack.pop()
+    if stack:
+        raise ValueError("unterminated #if in kernel source")
+    return "".join(out)
+
+
 def cuda_kernel(**kwargs):
     """mx.fast.cuda_kernel, or the factory installed by `use_cuda_factory`, given compacted source
     and header: MLX hashes a CUDA kernel's whole source at every launch (its JIT module's name),

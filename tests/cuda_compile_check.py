@@ -104,13 +104,14 @@ def attn_case(dtype, L, H, HKV, D):
     return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
 
 
-def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, one_wave=False):
+def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, one_wave=False,
+               stream=False):
     """The one-launch decoder layer(s) (C._layer_build), captured instead of built; with prefetch,
     load polling too (the default)."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
-                                  gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave)
+                                  gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave, stream=stream)
     T = C._CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
@@ -130,16 +131,18 @@ def cases():
         yield f"layer qwen3-0.6b M{M} prefetch", layer_case(M, {**q06, "L": 1}, 33, shapes06, prefetch=True)
     shapes4b = ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728))
     yield "layer qwen3-4b M1", layer_case(1, {**q06, "H": 32}, 33, shapes4b)
-    yield "layer qwen3-4b M1 gb2", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2, one_wave=True)
+    yield "layer qwen3-4b M1 gb2", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2, one_wave=True,
+                                              stream=True)
     q25 = {**q06, "D": 64, "H": 14, "HKV": 2, "qknorm": False}   # GQA 7: attention blocks of 7 heads
     yield "layer qwen2.5-0.5b M1", layer_case(1, q25, 33, ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896),
                                                             (4, 64, 896, 4864)), bias=True, prefetch=True)
     shapes8b = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
-    yield "layer qwen3-8b M1 gb2", layer_case(1, {**q06, "H": 32}, 17, shapes8b, prefetch=True, gb=2, one_wave=True)
+    yield "layer qwen3-8b M1 gb2", layer_case(1, {**q06, "H": 32}, 17, shapes8b, prefetch=True, gb=2, one_wave=True,
+                                              stream=True)
     llama1b = {**q06, "D": 64, "H": 32, "L": 1, "qknorm": False, "freqs": True}
     yield "layer llama-1b M1 gb2", layer_case(1, llama1b, 33, ((4, 64, 3072, 2048), (4, 64, 2048, 2048),
                                                                 (4, 64, 16384, 2048), (4, 64, 2048, 8192)),
-                                              prefetch=True, gb=2)
+                                              prefetch=True, gb=2, one_wave=True, stream=True)
     yield "layers x4 qwen3-0.6b M1", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4)
     yield "layers x4 qwen3-0.6b M1 stamps", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4,
                                                        stamps=True)

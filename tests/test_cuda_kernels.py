@@ -371,45 +371,48 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
 # of the GEMV phases of one launch at batch 1 (qkv, o, gate/up, down) and whether x is staged.
 LAYERS = [
     ("qwen3-0.6b", ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072)),
-     (16, 8, 128), (512, 256, 768, 256), True),
+     (16, 8, 128), (512, 256, 384, 256), True),
     ("qwen3-4b", ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728)),
-     (32, 8, 128), (384, 320, 1216, 320), True),
+     (32, 8, 128), (384, 320, 406, 320), True),
     ("qwen3-8b", ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288)),
-     (32, 8, 128), (384, 512, 1536, 512), True),
+     (32, 8, 128), (384, 512, 512, 512), True),
     ("llama-3.2-1b", ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192)),
-     (32, 8, 64), (384, 512, 1024, 512), True),
+     (32, 8, 64), (384, 512, 512, 512), True),
     ("qwen2.5-0.5b", ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864)),
-     (14, 2, 64), (144, 224, 608, 224), False),
+     (14, 2, 64), (144, 224, 304, 224), False),
 ]
 
 
 @pytest.mark.parametrize("name,shapes,heads,blocks,staged", LAYERS)
 def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     """How the one-launch layer is cut on the H200 (as measured: benchmarks/results/cuda_notes.md):
-    layer_one_wave keeps Qwen3-4B's o_proj/down and Qwen3-4B/8B's QKV in one wave of 528 blocks and
-    leaves the rest; x is staged in shared memory except beside attention blocks of more than 256
+    layer_one_wave keeps Qwen3-4B's o_proj/down and Qwen3-4B/8B's QKV in one wave of 528 blocks,
+    layer_stream the gate/up phases (several row groups per block), and leaves the rest; x is staged in shared memory except beside attention blocks of more than 256
     query-head values (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared memory)."""
     H, HKV, D = heads
     G = H // HKV
     gb = 2 if G % 2 == 0 else G   # attn_head_split
     head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
                 log2_base=20.0, scale=1.0)
-    build = lambda one_wave: C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())),
-                                            17, 0.088, gb, True, True, one_wave=one_wave)
+    build = lambda on: C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())),
+                                      17, 0.088, gb, True, True, one_wave=on, stream=on)
     with kernels.use_cuda_factory(lambda **kw: kw):   # capture the kernel's arguments, build nothing
         kw, groups, _ = build(True)
         off = build(False)[1]
     assert (groups[0], *groups[2:]) == blocks
-    assert max(groups[i] for i in (0, 2, 4)) <= C.RESIDENT_BLOCKS or name == "qwen3-0.6b"
-    assert all(a >= b for a, b in zip(off, groups))   # the rule only ever removes blocks
+    assert max(groups[i] for i in (0, 2, 3, 4)) <= C.RESIDENT_BLOCKS
+    assert all(a >= b for a, b in zip(off, groups))   # the rules only ever remove blocks
     assert (kw["shared_memory"] > 0) == staged
 
 
+@pytest.mark.parametrize("variant", ["one_wave", "stream"])
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1)])
-def test_one_wave_rows_per_warp_match(name, batch, L, monkeypatch):
-    """layer_one_wave gives warps 2 or 4 rows where blocks exceed one wave: forced onto a tiny
-    model (a one-block wave, any K), every GEMV phase takes its most rows per warp (QKV 4, so its
-    blocks tile a head in 4 instead of 16) and the layer's outputs and cache rows keep their bits."""
+def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
+    """The launch's blocking variants, forced onto a tiny model, keep the layer's outputs and cache
+    rows bit for bit. layer_one_wave (a one-block wave, any K): every GEMV phase takes its most rows
+    per warp (QKV 4, so its blocks tile a head in 4 instead of 16). layer_stream (a three-block
+    wave): the o_proj, gate/up and down phases run their row groups 3 blocks at a time, in uneven
+    shares, against one group per block."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -418,25 +421,39 @@ def test_one_wave_rows_per_warp_match(name, batch, L, monkeypatch):
     mlx_fastops.patch(model, disable=("compile",))
     try:
         fb = model.model.layers[0].fast_fn
-        assert fb.one_launch and fb.one_wave
+        assert fb.one_launch and fb.one_wave and fb.stream
+        M, K = batch * L, fb.K
         k0 = mx.random.normal((batch, fb.HKV, 512, fb.D)).astype(mx.bfloat16)
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
-        results = []
-        for forced in (False, True):
-            if forced:
-                monkeypatch.setattr(C, "RESIDENT_BLOCKS", 1)
-                monkeypatch.setattr(C, "ONE_WAVE_MIN_K", 0)
-                kernels.clear_builders()
-            M, K = batch * L, fb.K
-            assert C.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == (4 if forced else 2)
+
+        def run():
             kc, vc = k0 + 0, k0 * 2
             mx.eval(kc, vc)
-            results.append(fb.core(x, C.offset_array(300), kc, vc, kc) + (kc, vc))
-            mx.eval(results[-1])
+            out = fb.core(x, C.offset_array(300), kc, vc, kc) + (kc, vc)
+            mx.eval(out)
+            return out
+
+        if variant == "one_wave":
+            assert C.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 2
+            base = run()
+            monkeypatch.setattr(C, "RESIDENT_BLOCKS", 1)
+            monkeypatch.setattr(C, "ONE_WAVE_MIN_K", 0)
+            kernels.clear_builders()
+            assert C.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 4
+        else:
+            monkeypatch.setattr(C, "RESIDENT_BLOCKS", 3)
+            kernels.clear_builders()
+            R = C.gemv_config(M, K, fb.gate_up.out_features, 4, 2, True)[1]
+            nb = C.gemv_blocks(fb.gate_up.out_features, 2, R, 4)
+            assert C.stream_blocks(nb) == 3 and nb % 3   # streamed, in uneven shares
+            fb.stream = False
+            base = run()
+            fb.stream = True
+        forced = run()
     finally:
         mlx_fastops.unpatch(model)
         kernels.clear_builders()   # no kernel built with the forced sizes outlives the test
-    for a, b in zip(*results):
+    for a, b in zip(base, forced):
         assert mx.array_equal(a, b)
 
 

@@ -17,10 +17,13 @@ or (layer_kernel disabled) in 5 launches, when the layer's cache is a `StaticKVC
 The one-launch layer's variants each have a kill switch (config.FUSIONS): its GEMV phases start
 their weights before they wait (layer_prefetch), waits poll with loads (layer_wait_load),
 attention blocks take 2 query heads (attn_head_split), GEMV phases take 2-4 rows per warp where
-that keeps them in one wave of blocks (layer_one_wave), and the compiled step puts up to 4
+that keeps them in one wave of blocks (layer_one_wave), GEMV phases of more row groups than a
+wave launch one wave whose blocks run several groups in turn (layer_stream), and the compiled step puts up to 4
 consecutive layers in one launch (layer_groups). Every GEMV turns 4-bit weights into floats by one
 byte permute (nibble_fold) and, where x fits, converts (and normalizes) x once per block into
 shared memory (x_stage).
+Kernel sources reach MLX with the conditionals their defines decide cut down and without comments
+(kernels.resolve_conditionals, compact_source): MLX hashes the whole source at every launch.
 Kernel objects are built lazily, once per (kernel, static shape class); model constants (norm
 eps, RoPE base) are #defines; per-step values (the cache offset) are int32 arrays of 16 bytes; the
 cache buffers are read and written through their strides. Without a GPU the same wrappers run
@@ -36,7 +39,7 @@ from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import KVCache
 
 from .. import config
-from ..kernels import cached_builder, cuda_kernel, read_source
+from ..kernels import cached_builder, cuda_kernel, read_source, resolve_conditionals
 
 _CTYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
 _HALF = (mx.float16, mx.bfloat16)
@@ -54,7 +57,7 @@ def source(filename, defines, dtype):
     defines = {**STANDALONE, **defines}
     lines = [f"#define {k} {int(v) if isinstance(v, bool) else v}" for k, v in defines.items()]
     lines.append(f"using T = {_CTYPE[dtype]};")
-    return "\n".join(lines) + "\n" + read_source("cuda", filename)
+    return "\n".join(lines) + "\n" + resolve_conditionals(read_source("cuda", filename), defines)
 
 
 def _name(kind, src):
@@ -102,6 +105,16 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
 STAGE_MAX_FLOATS = 4096
 
 
+def stream_blocks(nb):
+    """layer_stream: blocks launched for a GEMV phase of nb row groups (one per block otherwise),
+    each running ceil(nb / blocks) of them in turn (gemv.cu, STREAM): one wave of equal shares
+    where nb would leave later waves (Qwen3-8B gate/up 1536 -> 512 blocks of 3, 4B 1216 -> 406)."""
+    if nb <= RESIDENT_BLOCKS:
+        return nb
+    per = -(-nb // RESIDENT_BLOCKS)
+    return -(-nb // per)
+
+
 def x_stage(M, K, dtype, on=True):
     """XK of gemv.cu: K when a GEMV stages its x (x_stage; half types), else 0."""
     return K if on and dtype in _HALF and M * K <= STAGE_MAX_FLOATS else 0
@@ -131,12 +144,12 @@ def _flt(v):
     return f"{float(v)!r}f"
 
 
-def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, xk=0, fold=True):
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, xk=0, fold=True, stream=0):
     """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
     eps: the folded input RMSNorm's epsilon (None: no norm); xk: x_stage's K or 0; fold:
-    nibble_fold (FOLD4)."""
+    nibble_fold (FOLD4); stream: STREAM (blocks running row groups in turn; 0: one group each)."""
     d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, FOLD4=fold, XK=xk, HAS_NORM=eps is not None,
-             HAS_BIAS=bias)
+             HAS_BIAS=bias, STREAM=stream)
     if eps is not None:
         d["EPS"] = _flt(eps)
     if head is not None:
@@ -463,7 +476,7 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False):
+                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False, stream=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -473,7 +486,8 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     waits poll with loads instead of atomics; stamps: an extra output with each block's entry and
     end times (layer_stamp); stage (x_stage): the GEMV phases stage x in shared memory where it fits
     (and the attention blocks' static shared memory is small: see below); fold: nibble_fold;
-    one_wave: layer_one_wave (gemv_config). Inputs of layer j carry the suffix j (x, off, the
+    one_wave: layer_one_wave (gemv_config); stream: layer_stream (stream_blocks; not the QKV phase, whose
+    blocks complete heads). Inputs of layer j carry the suffix j (x, off, the
     tickets and the counters are shared); layer j > 0 reads the previous layer's output from the
     scratch outputs r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -493,13 +507,16 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
         vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave)
         xk = x_stage(M, K, dtype, stage)
         smem[0] = max(smem[0], x_stage_bytes(M, bits, vec, xk))
-        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, fold)
+        nb = gemv_blocks(N, epi, R, nw)
+        launched = stream_blocks(nb) if stream and epi != 3 else nb
+        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, fold,
+                         launched if launched < nb else 0)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0)
         if prefetch:
             d["WAIT_INPUTS"] = "layer_wait(ctr, wait_g, wait_n)"
         header.append(_phase(name, "gemv.cu", d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + waits,
                              gemv_outputs(epi), shaped=("w",), strided=("kc", "vc")))
-        sizes.append(gemv_blocks(N, epi, R, nw))
+        sizes.append(launched)
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
@@ -693,6 +710,7 @@ class FastBlock:
         self.stage = "x_stage" not in disabled
         self.fold = "nibble_fold" not in disabled
         self.one_wave = variant("layer_one_wave")
+        self.stream = variant("layer_stream")
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -796,7 +814,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave)
+                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -825,7 +843,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                       len(blocks), stamps, fb.stage, fb.fold, fb.one_wave)
+                                       len(blocks), stamps, fb.stage, fb.fold, fb.one_wave, fb.stream)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
