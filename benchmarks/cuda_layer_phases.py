@@ -18,8 +18,6 @@ launch's first block entry:
 The stamps add a barrier per block and some registers: these are timings of an instrumented
 kernel (on the H200 its total came within 10% of the plain kernel's CUPTI duration in
 cuda_trace.py: 33.4 vs 37.3 us for one Qwen3-0.6B layer, 175.7 vs 178.7 us for four).
-With layer_prefetch_next on, each launch ends by sending the next layer's QKV weights to L2 (the
-first layer's when no next one is built), as in the decode step.
 One set of tables per --attn-blocks (ATTN_TARGET_BLOCKS, hence the splits of the sequence) and
 --disable set (patched without those switches, e.g. layer_wide_warps); a summary comes last.
 """
@@ -89,16 +87,13 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, batch=1):
             C.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads))
             nsplit = C.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
             bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
-            # layer_prefetch_next: the next layer's QKV weights, or (no next layer built) the first
-            # layer's, which a 4B/8B layer's 57-110 MB of weights have pushed out of L2 by the end
-            next_qkv = fbs[n % len(fbs)].qkv if fb.prefetch_next else None
             # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
             # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's
             # outputs, whose first writes would then fault (seen: 96 us instead of 11 for a phase).
             mx.clear_cache()
             stamped = []
             for r in range(reps + 3):   # 3 warm-up launches
-                _, _, st, groups = C.layers_launch(fbs[:n], x, off, bufs, stamps=True, next_qkv=next_qkv)
+                _, _, st, groups = C.layers_launch(fbs[:n], x, off, bufs, stamps=True)
                 mx.eval(st)
                 stamped.append(st)
             runs = [phase_rows(np.array(st), groups) for st in stamped[3:]]

@@ -105,14 +105,13 @@ def attn_case(dtype, L, H, HKV, D):
 
 
 def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, one_wave=False,
-               stream=False, prefetch_next=False):
+               stream=False):
     """The one-launch decoder layer(s) (C._layer_build), captured instead of built; with prefetch,
     load polling too (the default)."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
-                                  gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave, stream=stream,
-                                  prefetch_next=prefetch_next)
+                                  gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave, stream=stream)
     T = C._CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
@@ -139,7 +138,7 @@ def cases():
                                                             (4, 64, 896, 4864)), bias=True, prefetch=True)
     shapes8b = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
     yield "layer qwen3-8b M1 gb2", layer_case(1, {**q06, "H": 32}, 17, shapes8b, prefetch=True, gb=2, one_wave=True,
-                                              stream=True, prefetch_next=True)
+                                              stream=True)
     llama1b = {**q06, "D": 64, "H": 32, "L": 1, "qknorm": False, "freqs": True}
     yield "layer llama-1b M1 gb2", layer_case(1, llama1b, 33, ((4, 64, 3072, 2048), (4, 64, 2048, 2048),
                                                                 (4, 64, 16384, 2048), (4, 64, 2048, 8192)),

@@ -426,14 +426,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 #endif
 }
-// Block b of nb sends its share of the n bytes at p to L2 (layer_prefetch_next: the next launch's
-// first weights, while the DRAM is not busy with this one's).
-__device__ __forceinline__ void layer_prefetch_share(const void* p, long long n, int b, int nb) {
-  const long long share = (n + nb - 1) / nb;
-  const long long end = (b + 1) * share < n ? (b + 1) * share : n;
-  for (long long i = b * share + threadIdx.x * 128LL; i < end; i += blockDim.x * 128LL)
-    prefetch_l2(static_cast<const char*>(p) + i);
-}
 __device__ __forceinline__ void layer_done(const int* ctr, int g) {
   __threadfence();   // every thread's writes, then the block's arrival
   __syncthreads();
@@ -484,8 +476,7 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False, stream=False,
-                 prefetch_next=False):
+                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False, stream=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -496,9 +487,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     end times (layer_stamp); stage (x_stage): the GEMV phases stage x in shared memory where it fits
     (and the attention blocks' static shared memory is small: see below); fold: nibble_fold;
     one_wave: layer_one_wave (gemv_config); stream: layer_stream (stream_blocks; not the QKV phase, whose
-    blocks complete heads); prefetch_next: layer_prefetch_next (inputs nq_w, nq_sc, nq_bi: the next
-    launch's QKV weights, of this launch's shapes, which the down phase's blocks send to L2 once
-    done). Inputs of layer j carry the suffix j (x, off, the
+    blocks complete heads). Inputs of layer j carry the suffix j (x, off, the
     tickets and the counters are shared); layer j > 0 reads the previous layer's output from the
     scratch outputs r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -581,14 +570,8 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
   blk -= {n};
 """
     last = len(groups) - 1
-    nq = ""
-    if prefetch_next:
-        inputs += ["nq_w", "nq_sc", "nq_bi"]
-        sizes_nq = {"nq_w": qN * qK * qb // 8, "nq_sc": qN * (qK // qg) * dtype.size}
-        sizes_nq["nq_bi"] = sizes_nq["nq_sc"]
-        nq = "".join(f"layer_prefetch_share({n}, {b}, blk, {groups[last]});\n  " for n, b in sizes_nq.items())
     body += f"""  {wait(last)}{calls[last]};
-  {nq}{stamp}__threadfence();
+  {stamp}__threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
     int* c = const_cast<int*>(ctr);
@@ -728,7 +711,6 @@ class FastBlock:
         self.fold = "nibble_fold" not in disabled
         self.one_wave = variant("layer_one_wave")
         self.stream = variant("layer_stream")
-        self.prefetch_next = variant("layer_prefetch_next")
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -777,13 +759,12 @@ class FastBlock:
         M = B * L
         return M <= MAX_ROWS and x.dtype == self.dtype
 
-    def core(self, x, off, kc, vc, after, next_qkv=None):
+    def core(self, x, off, kc, vc, after):
         """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]) -> (block
         output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
-        into kc/vc in place, after the kernel that output `after` (the previous reader).
-        next_qkv: see layers_launch (one launch only)."""
+        into kc/vc in place, after the kernel that output `after` (the previous reader)."""
         if self.one_launch:
-            return layers_launch([self], x, off, [(kc, vc, after)], next_qkv=next_qkv)
+            return self.core_one_launch(x, off, kc, vc, after)
         B, L, K = x.shape
         M = B * L
         qkv = self.qkv
@@ -801,6 +782,10 @@ class FastBlock:
         a = gemv(h, self.gate_up, epi=2, norm=self.post_norm, stage=self.stage, fold=self.fold)
         out = gemv(a, self.down, epi=1, res=h, stage=self.stage, fold=self.fold)
         return out.reshape(B, L, K), o
+
+    def core_one_launch(self, x, off, kc, vc, after):
+        """`core` as a single launch (see _layer_build): same arithmetic, same outputs."""
+        return layers_launch([self], x, off, [(kc, vc, after)])
 
     def layer_counters(self, nlayers):
         """Zeroed group counters of a launch of nlayers layers led by this block (left zero)."""
@@ -829,7 +814,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream, self.prefetch_next)
+                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -845,13 +830,11 @@ class FastBlock:
 FastBlock.cache_type = StaticKVCache
 
 
-def layers_launch(blocks, x, off, bufs, stamps=False, next_qkv=None):
+def layers_launch(blocks, x, off, bufs, stamps=False):
     """Consecutive decoder layers (FastBlocks with one launch_key) in one launch: x [B, L, K] ->
     (output of the last, the attention scratch output: the new last reader of every layer's
-    cache). bufs: (kc, vc, after) per block. next_qkv: the QKV weights (of the same shapes) that
-    the next launch starts with, sent to L2 at the end of this one (layer_prefetch_next). With
-    stamps (benchmarks/cuda_layer_phases.py), also (int64 [blocks, 2]: each block's entry and end
-    time in ns, blocks per group in launch order)."""
+    cache). bufs: (kc, vc, after) per block. With stamps (benchmarks/cuda_layer_phases.py), also
+    (int64 [blocks, 2]: each block's entry and end time in ns, blocks per group in launch order)."""
     fb = blocks[0]
     B, L, K = x.shape
     M = B * L
@@ -860,13 +843,10 @@ def layers_launch(blocks, x, off, bufs, stamps=False, next_qkv=None):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                       len(blocks), stamps, fb.stage, fb.fold, fb.one_wave, fb.stream,
-                                       next_qkv is not None)
+                                       len(blocks), stamps, fb.stage, fb.fold, fb.one_wave, fb.stream)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
-    if next_qkv is not None:
-        arrays.update(nq_w=next_qkv.weight, nq_sc=next_qkv.scales, nq_bi=next_qkv.biases)
     for j, (b, (kc, vc, after)) in enumerate(zip(blocks, bufs)):
         arrays.update(b.layer_arrays(j, kc, vc, after))
     f32 = mx.float32
@@ -978,15 +958,10 @@ def fast_model(model, blocks):
             h = h.astype(dtype)
         readers = []
         for i, n in runs:
-            # layer_prefetch_next: the next launch's QKV weights, where its shapes are this one's
-            nxt = fasts[i + n] if i + n < len(fasts) else None
-            nq = (nxt.qkv if fasts[i].prefetch_next and nxt is not None and nxt.launch_key() == fasts[i].launch_key()
-                  else None)
             if n == 1:
-                h, o = fasts[i].core(h, off, *bufs[3 * i:3 * i + 3], next_qkv=nq)
+                h, o = fasts[i].core(h, off, *bufs[3 * i:3 * i + 3])
             else:
-                h, o = layers_launch(fasts[i:i + n], h, off, [bufs[3 * k:3 * k + 3] for k in range(i, i + n)],
-                                     next_qkv=nq)
+                h, o = layers_launch(fasts[i:i + n], h, off, [bufs[3 * k:3 * k + 3] for k in range(i, i + n)])
             readers += [o] * n
         return [norm(h), off + tokens.shape[1], *readers]
 
