@@ -79,7 +79,7 @@ def main():
     a = ap.parse_args()
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     res = {"device": device_name(), "mlx": mx.__version__, "sources": source_digest(), "launch": {}, "decode": {}}
-    lines = [f"# Host cost of decode on MLX CUDA", "", f"device {res['device']}; mlx {res['mlx']}; "
+    lines = ["# Host cost of decode on MLX CUDA", "", f"device {res['device']}; mlx {res['mlx']}; "
              f"sources {res['sources']}", ""]
     if not a.skip_launch:
         lines += [f"## One launch, by source length (chain of {CHAIN}, us per launch)", "",

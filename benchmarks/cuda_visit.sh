@@ -19,7 +19,7 @@
 #                                          # summary of 4B decode where nsys is installed (~3 min)
 #   bash benchmarks/cuda_visit.sh ab NAME  # phases (8B, 4B; 0.6B at 4 and 1 layers per launch) and the bench
 #                                          # (3 repetitions), each beside the variant without fusion NAME
-#                                          # (~9 min); every log in $OUT/ab.tgz
+#                                          # (~4 min); every log in $OUT/ab.tgz
 #   bash benchmarks/cuda_visit.sh all      # correctness, then phases (8B, 4B, 0.6B), then bench at 3
 #                                          # repetitions (~7.5 min); every log in $OUT/all.tgz
 # The device returns at most 8 files from $OUT (alphabetically): pack anything larger into a tarball.
