@@ -122,7 +122,8 @@ def _condition(directive, expr, defines):
 def resolve_conditionals(src, defines):
     """src with each conditional that `defines` decide (see _condition) cut down to the branch
     taken; the others stay. The compiler would drop the same text: this only shortens the source
-    (MLX hashes a CUDA kernel's source at every launch: see cuda_kernel)."""
+    (MLX hashes a CUDA kernel's source at every launch: see cuda_kernel). `defines` must be the
+    values the names have where the conditionals stand (src must not #define or #undef them)."""
     out, stack, emitting = [], [], True   # stack frames: [mode, emitting outside, a branch taken]
     for line in src.splitlines(keepends=True):
         m = _DIRECTIVE.match(line)
