@@ -30,6 +30,21 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+# Phases (Qwen3-8B, 4B; 0.6B at 4 and 1 layers per launch), then the bench at 3 repetitions, into
+# DIR; with NAME, each beside the variant without fusion NAME. Args: DIR NAME(or "") and the three
+# steps' timeouts in seconds.
+phases_and_bench() {
+  local A=$1 name=$2 dis=(--disable '')
+  [ -n "$name" ] && dis+=(--disable "$name")
+  timeout "$3" python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 \
+    "${dis[@]}" --out "$A/phases_large" > "$A/phases_large.log" 2>&1
+  timeout "$4" python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \
+    "${dis[@]}" --out "$A/phases_small" > "$A/phases_small.log" 2>&1
+  tail -n 9 "$A/phases_large.log" "$A/phases_small.log"
+  timeout "$5" python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
+    ${name:+--disable "$name"} --out "$A/cuda_bench" > "$A/bench.log" 2>&1
+  grep -E "tg128|pp" "$A/cuda_bench.md" | cut -c1-150
+}
 case "$mode" in
   tests)
     timeout ${TEST_TIMEOUT:-560} python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py -p no:cacheprovider > "$OUT/test_kernels.log" 2>&1
@@ -85,28 +100,14 @@ case "$mode" in
       rm -f "$OUT"/host_4b.*; head -n 45 "$OUT/host_nsys_stats.txt" | cut -c1-160
     else echo "no nsys"; fi ;;
   ab)
-    name=${2:?usage: cuda_visit.sh ab NAME}; A="$OUT/ab"; mkdir -p "$A"
-    timeout 130 python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 \
-      --disable '' --disable "$name" --out "$A/phases_large" > "$A/phases_large.log" 2>&1
-    timeout 90 python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \
-      --disable '' --disable "$name" --out "$A/phases_small" > "$A/phases_small.log" 2>&1
-    tail -n 9 "$A/phases_large.log" "$A/phases_small.log"
-    timeout 340 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
-      --disable "$name" --out "$A/cuda_bench" > "$A/bench.log" 2>&1
-    grep -E "tg128|pp" "$A/cuda_bench.md" | cut -c1-150
+    A="$OUT/ab"; mkdir -p "$A"
+    phases_and_bench "$A" "${2:?usage: cuda_visit.sh ab NAME}" 130 90 340
     tar czf "$OUT/ab.tgz" -C "$A" . ;;
   all)
     A="$OUT/all"; mkdir -p "$A"
     # the two suites side by side, capped so that the whole mode fits one 600 s device call
     OUT="$A" TEST_TIMEOUT=280 bash "$0" correctness
-    timeout 100 python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 \
-      --out "$A/phases_large" > "$A/phases_large.log" 2>&1
-    timeout 80 python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \
-      --out "$A/phases_small" > "$A/phases_small.log" 2>&1
-    tail -n 5 "$A/phases_large.log" "$A/phases_small.log"
-    timeout 200 python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \
-      --out "$A/cuda_bench" > "$A/bench.log" 2>&1
-    grep -E "tg128|pp" "$A/cuda_bench.md" | cut -c1-110
+    phases_and_bench "$A" "" 100 80 200
     tar czf "$OUT/all.tgz" -C "$A" . ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
