@@ -391,8 +391,9 @@ LAYERS = [
 def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     """How the one-launch layer is cut on the H200 (as measured: benchmarks/results/cuda_notes.md):
     layer_one_wave keeps Qwen3-4B's o_proj/down and Qwen3-4B/8B's QKV in one wave of 528 blocks,
-    layer_stream the gate/up phases (several row groups per block), and leaves the rest; x is staged in shared memory except beside attention blocks of more than 256
-    query-head values (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared memory)."""
+    layer_stream the gate/up phases (several row groups per block), and leaves the rest; x is
+    staged in shared memory except beside attention blocks of more than 256 query-head values
+    (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared memory)."""
     H, HKV, D = heads
     G = H // HKV
     gb = 2 if G % 2 == 0 else G   # attn_head_split
