@@ -36,6 +36,8 @@ FUSIONS = {
     "layer_stream": "CUDA one-launch layer: a GEMV phase of more row groups than one wave of blocks "
                     "holds (gate/up) launches one wave, each block running several groups in turn with "
                     "the next group's rows sent to L2 ahead (one prologue per block)",
+    "attn_prefetch": "CUDA one-launch layer: attention blocks send their chunk's cached K/V rows to L2 "
+                     "before they wait for the QKV phase (the rows do not depend on it)",
     "attn_head_split": "CUDA one-launch layer: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
     "x_stage": "CUDA GEMVs (half types, rows x in_features <= 4096): each block converts x to float (with "

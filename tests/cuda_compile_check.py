@@ -107,11 +107,12 @@ def attn_case(dtype, L, H, HKV, D):
 def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, one_wave=False,
                stream=False):
     """The one-launch decoder layer(s) (C._layer_build), captured instead of built; with prefetch,
-    load polling too (the default)."""
+    load polling and attn_prefetch too (the defaults)."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
-                                  gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave, stream=stream)
+                                  gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave, stream=stream,
+                                  attn_prefetch=prefetch)
     T = C._CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (

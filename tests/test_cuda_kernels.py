@@ -330,7 +330,8 @@ def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
                                           ("qwen3-tiny", 2, 3)])
 def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
     """The one-launch decoder layer, without and with layer_prefetch (GEMV phases wait inside,
-    after sending their weights on) and layer_wait_load (waits poll with loads), computes exactly
+    after sending their weights on), attn_prefetch (so does the attention, after its K/V rows)
+    and layer_wait_load (waits poll with loads), computes exactly
     what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) without x_stage computes: same
     outputs and same cache rows, bit for bit; so does it with both, and with x_stage (the folded
     norms stage x in shared memory; the tiny models' x always fits). Where G allows, again with
@@ -352,9 +353,10 @@ def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
         G = fb.H // fb.HKV
         results = {}
         for fb.gb in sorted({G, 2 if G % 2 == 0 else G}):
-            for fb.one_launch, fb.prefetch, fb.wait_load, fb.stage in (
-                    (False, False, False, False), (True, False, False, False), (True, True, False, True),
-                    (True, False, True, False), (True, True, True, True), (False, False, False, True)):
+            for fb.one_launch, fb.prefetch, fb.wait_load, fb.stage, fb.attn_prefetch in (
+                    (False, False, False, False, False), (True, False, False, False, False),
+                    (True, True, False, True, False), (True, False, True, False, True),
+                    (True, True, True, True, True), (False, False, False, True, False)):
                 kc, vc = k0 + 0, v0 + 0
                 mx.eval(kc, vc)
                 out, o = fb.core(x, off, kc, vc, kc)
@@ -480,7 +482,7 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
         fbs = [layer.fast_fn for layer in model.model.layers]
         assert len(fbs) == 2 and fbs[0].launch_key() == fbs[1].launch_key()
         for fb in fbs:
-            fb.prefetch = fb.wait_load = prefetch
+            fb.prefetch = fb.wait_load = fb.attn_prefetch = prefetch
         P, D, HKV = 300, fbs[0].D, fbs[0].HKV
         caches = [[mx.random.normal((batch, HKV, 512, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
@@ -570,7 +572,7 @@ def test_layer_groups_chosen_by_layer_size(limit, disable, one_launch, groups, m
     try:
         fb = model.model.layers[0].fast_fn
         assert fb.weights == weights and fb.one_launch is one_launch and fb.group_layers is groups
-        assert fb.prefetch is fb.wait_load is one_launch
+        assert fb.prefetch is fb.wait_load is fb.attn_prefetch is one_launch
         for fusion, fused, why in (("layer_kernel", one_launch, "disabled"),
                                    ("layer_groups", groups, "disabled" if disable == ("layer_groups",) else
                                     "layer_kernel disabled" if disable else "one layer per launch is faster")):

@@ -18,7 +18,8 @@ The one-launch layer's variants each have a kill switch (config.FUSIONS): its GE
 their weights before they wait (layer_prefetch), waits poll with loads (layer_wait_load),
 attention blocks take 2 query heads (attn_head_split), GEMV phases take 2-4 rows per warp where
 that keeps them in one wave of blocks (layer_one_wave), GEMV phases of more row groups than a
-wave launch one wave whose blocks run several groups in turn (layer_stream), and the compiled step puts up to 4
+wave launch one wave whose blocks run several groups in turn (layer_stream), attention blocks send
+their chunk's K/V rows to L2 before they wait for q (attn_prefetch), and the compiled step puts up to 4
 consecutive layers in one launch (layer_groups). Every GEMV turns 4-bit weights into floats by one
 byte permute (nibble_fold) and, where x fits, converts (and normalizes) x once per block into
 shared memory (x_stage).
@@ -476,7 +477,8 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
-                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False, stream=False):
+                 wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False, stream=False,
+                 attn_prefetch=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -487,7 +489,8 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     end times (layer_stamp); stage (x_stage): the GEMV phases stage x in shared memory where it fits
     (and the attention blocks' static shared memory is small: see below); fold: nibble_fold;
     one_wave: layer_one_wave (gemv_config); stream: layer_stream (stream_blocks; not the QKV phase, whose
-    blocks complete heads). Inputs of layer j carry the suffix j (x, off, the
+    blocks complete heads); attn_prefetch: the attention phase sends its chunk's K/V rows to L2
+    before it waits (inside attention.cu). Inputs of layer j carry the suffix j (x, off, the
     tickets and the counters are shared); layer j > 0 reads the previous layer's output from the
     scratch outputs r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -523,7 +526,10 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     ys = HKV * ad["G"] // ad["GB"]   # the attention grid's y: kv heads x head subgroups
     ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {ys})",
               BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit)
-    header.append(_phase("layer_attn", "attention.cu", ad, dtype, ["q", "kc", "vc", "off", "cnt"],
+    if attn_prefetch:
+        ad["WAIT_INPUTS"] = "layer_wait(ctr, wait_g, wait_n)"
+    header.append(_phase("layer_attn", "attention.cu", ad, dtype,
+                         ["q", "kc", "vc", "off", "cnt"] + (["ctr", "wait_g", "wait_n"] if attn_prefetch else []),
                          ["o", "pm", "po"], strided=("kc", "vc")))
     sizes.append(nsplit * ys * M)
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
@@ -531,20 +537,24 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
     assert len(sizes) == LAYER_GROUPS
     groups = sizes * nlayers   # group g = LAYER_GROUPS * layer + phase, each waiting for g - 1
+    # a phase waits inside its kernel file (after its prefetch) or before it; group 0 never waits
+    inside = lambda g: (attn_prefetch if g % LAYER_GROUPS == 1 else prefetch) and g > 0
 
     def layer_calls(j):
         x = "x" if j == 0 else f"r{(j - 1) % 2}"
         out = "out" if j == nlayers - 1 else f"r{j % 2}"
         def w(p):   # WAIT_INPUTS' arguments: the group before this phase (none before the first)
-            g = LAYER_GROUPS * j + p - 1
-            return f", ctr, {g}, {groups[g] if g >= 0 else 0}" if prefetch else ""
+            g = LAYER_GROUPS * j + p
+            if not (prefetch if p != 1 else attn_prefetch):
+                return ""
+            return f", ctr, {g - 1}, {groups[g - 1] if g > 0 else 0}"
 
         qkv = [x, f"qkv_w{j}", f"qkv_w{j}_shape", f"qkv_sc{j}", f"qkv_bi{j}", f"in_nw{j}"]
         qkv += ([f"qkv_bias{j}"] if bias else []) + ([f"qn{j}", f"kn{j}"] if head["qknorm"] else []) + ["off"]
         qkv += ([f"rf{j}"] if head["freqs"] else []) + [f"kc{j}", f"kc{j}_strides", f"vc{j}", f"vc{j}_strides",
                                                         "head_cnt", f"after{j}"]
         return [f"layer_qkv(blk, {', '.join(qkv)}{w(0)}, yq, ys)",
-                f"layer_attn(blk, yq, kc{j}, kc{j}_strides, vc{j}, vc{j}_strides, off, attn_cnt, o, pm, po)",
+                f"layer_attn(blk, yq, kc{j}, kc{j}_strides, vc{j}, vc{j}_strides, off, attn_cnt{w(1)}, o, pm, po)",
                 f"layer_o(blk, o, o_w{j}, o_w{j}_shape, o_sc{j}, o_bi{j}, {x}{w(2)}, h)",
                 f"layer_gate_up(blk, h, gu_w{j}, gu_w{j}_shape, gu_sc{j}, gu_bi{j}, post_nw{j}{w(3)}, a)",
                 f"layer_down(blk, a, dn_w{j}, dn_w{j}_shape, dn_sc{j}, dn_bi{j}, h{w(4)}, {out})"], qkv
@@ -556,8 +566,6 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
         inputs += [n for n in qkv[1:] if n not in inputs and not n.endswith(("_shape", "_strides"))]
         inputs += [f"{n}{j}" for n in ("o_w", "o_sc", "o_bi", "gu_w", "gu_sc", "gu_bi", "post_nw", "dn_w", "dn_sc",
                                        "dn_bi")]
-    # a gemv phase waits inside (prefetch) or here; attention always here; group 0 never
-    inside = lambda g: prefetch and g % LAYER_GROUPS != 1
     wait = lambda g: "" if g == 0 or inside(g) else f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n    "
     body = "  int blk = blockIdx.x;\n" + ("  const long long t_enter = layer_now();\n" if stamps else "")
     stamp = "layer_stamp(stamps, t_enter);\n    " if stamps else ""
@@ -711,6 +719,7 @@ class FastBlock:
         self.fold = "nibble_fold" not in disabled
         self.one_wave = variant("layer_one_wave")
         self.stream = variant("layer_stream")
+        self.attn_prefetch = variant("attn_prefetch")
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -814,7 +823,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream)
+                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream, self.attn_prefetch)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -843,7 +852,8 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
-                                       len(blocks), stamps, fb.stage, fb.fold, fb.one_wave, fb.stream)
+                                       len(blocks), stamps, fb.stage, fb.fold, fb.one_wave, fb.stream,
+                                       fb.attn_prefetch)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
