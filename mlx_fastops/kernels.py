@@ -170,7 +170,7 @@ def resolve_conditionals(src, defines):
 def cuda_kernel(**kwargs):
     """mx.fast.cuda_kernel, or the factory installed by `use_cuda_factory`, given compacted source
     and header: MLX hashes a CUDA kernel's whole source at every launch (its JIT module's name),
-    so the source's length is host time per launch (a one-launch layer: 91 KB -> ~45 KB)."""
+    so the source's length is host time per launch (the Qwen3-8B one-launch layer: 91 KB -> 38 KB)."""
     for k in ("source", "header"):
         if kwargs.get(k):
             kwargs[k] = compact_source(kwargs[k])

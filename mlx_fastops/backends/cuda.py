@@ -537,15 +537,16 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
     assert len(sizes) == LAYER_GROUPS
     groups = sizes * nlayers   # group g = LAYER_GROUPS * layer + phase, each waiting for g - 1
-    # a phase waits inside its kernel file (after its prefetch) or before it; group 0 never waits
-    inside = lambda g: (attn_prefetch if g % LAYER_GROUPS == 1 else prefetch) and g > 0
+    # phase p (0-4) waits inside its kernel file (WAIT_INPUTS, after its prefetch) or before it
+    waits_inside = lambda p: attn_prefetch if p == 1 else prefetch
+    inside = lambda g: g > 0 and waits_inside(g % LAYER_GROUPS)   # group 0 never waits
 
     def layer_calls(j):
         x = "x" if j == 0 else f"r{(j - 1) % 2}"
         out = "out" if j == nlayers - 1 else f"r{j % 2}"
         def w(p):   # WAIT_INPUTS' arguments: the group before this phase (none before the first)
             g = LAYER_GROUPS * j + p
-            if not (prefetch if p != 1 else attn_prefetch):
+            if not waits_inside(p):
                 return ""
             return f", ctr, {g - 1}, {groups[g - 1] if g > 0 else 0}"
 
