@@ -2,7 +2,8 @@
 end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
-        [--prompt 512] [--reps 20] [--attn-blocks 264,132] [--disable '' --disable NAMES]
+        [--prompt 512] [--reps 20] [--attn-blocks 264,132] [--resident 528,396]
+        [--disable '' --disable NAMES]
         [--out DIR]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
@@ -10,6 +11,8 @@ launches its first n fused layers (n per --layers) as one layer launch with stam
 (mlx_fastops.backends.cuda.layers_launch(stamps=True)) over a KV cache of --prompt positions,
 --reps times. Per group of blocks (layer j, phase p), medians over the reps, in us from the
 launch's first block entry:
+  late:     (most over the reps) blocks that entered only after one of the group's own blocks had
+            ended: they were not resident beside the rest (a second wave)
   first in: the group's first block entry (blocks are dispatched in index order)
   ready:    the previous group's last block end (this group's blocks may proceed from here on)
   p90 end / end: when 90% / all of the group's blocks had ended
@@ -18,8 +21,11 @@ launch's first block entry:
 The stamps add a barrier per block and some registers: these are timings of an instrumented
 kernel (on the H200 its total came within 10% of the plain kernel's CUPTI duration in
 cuda_trace.py: 33.4 vs 37.3 us for one Qwen3-0.6B layer, 175.7 vs 178.7 us for four).
-One set of tables per --attn-blocks (ATTN_TARGET_BLOCKS, hence the splits of the sequence) and
---disable set (patched without those switches, e.g. layer_wide_warps); a summary comes last.
+One set of tables per --attn-blocks (ATTN_TARGET_BLOCKS, hence the splits of the sequence),
+--resident (RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and --disable set
+(patched without those switches, e.g. layer_wide_warps); a summary comes last, with the most
+blocks seen resident at once (from the stamps' entry and end times and SM ids: in the launch, on
+one SM, and how many SMs ran blocks).
 """
 
 import argparse
@@ -37,17 +43,37 @@ PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 
 def phase_rows(stamps, groups):
-    """One launch's stamps (int64 [blocks, 2]: entry, end) and blocks per group -> per group
+    """One launch's stamps (int64 [blocks, 3]: entry, end, SM) and blocks per group -> per group
     (first in, ready, p90 end, end) in us from the first entry."""
     st = np.asarray(stamps, dtype=np.int64)
     t0 = st[:, 0].min()
     rows, lo, ready = [], 0, 0.0
     for n in groups:
-        g = (st[lo:lo + n] - t0) / 1e3
+        g = (st[lo:lo + n, :2] - t0) / 1e3
         end = float(g[:, 1].max())
         rows.append((float(g[:, 0].min()), ready, float(np.percentile(g[:, 1], 90)), end))
         ready, lo = end, lo + n
     return rows
+
+
+def late_blocks(stamps, groups):
+    """Per group: blocks that entered only after one of the group's own blocks had ended (a block
+    slot freed by the group itself: they did not fit beside the rest, a second wave)."""
+    st = np.asarray(stamps, dtype=np.int64)
+    bounds = np.cumsum([0, *groups])
+    return [int((st[a:b, 0] > st[a:b, 1].min()).sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def residency(stamps):
+    """(most blocks resident at once in the launch, most on one SM, SMs seen) from the stamps."""
+    st = np.asarray(stamps, dtype=np.int64)
+
+    def most(rows):   # ends sort before entries at the same time: a slot handed on is not two
+        ev = sorted([(t, 1) for t in rows[:, 0]] + [(t, -1) for t in rows[:, 1]], key=lambda e: (e[0], e[1]))
+        return int(np.max(np.cumsum([d for _, d in ev])))
+
+    sms = np.unique(st[:, 2])
+    return most(st), max(most(st[st[:, 2] == sm]) for sm in sms), len(sms)
 
 
 def median_rows(runs):
@@ -63,10 +89,10 @@ def phase_bytes(fb, batch, ctx):
     return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
 
 
-def measure(name, nlayers, prompt, reps, attn_blocks, disable, batch=1):
+def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1):
     import mlx.core as mx
     import mlx_fastops
-    from mlx_fastops import synthetic_model
+    from mlx_fastops import kernels, synthetic_model
     from mlx_fastops.backends import cuda as C
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
@@ -81,10 +107,13 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, batch=1):
     off = C.offset_array(prompt)
     nbytes = phase_bytes(fb, batch, prompt + 1)
     out = []
-    default_target = C.ATTN_TARGET_BLOCKS
+    default_target, default_resident = C.ATTN_TARGET_BLOCKS, C.RESIDENT_BLOCKS
     try:
-        for target, n in [(t, n) for t in attn_blocks for n in nlayers]:
+        for target, resident, n in [(t, r, n) for t in attn_blocks for r in residents for n in nlayers]:
             C.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads))
+            if (resident or default_resident) != C.RESIDENT_BLOCKS:
+                C.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
+                kernels.clear_builders()
             nsplit = C.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
             bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
             # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
@@ -96,19 +125,27 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, batch=1):
                 _, _, st, groups = C.layers_launch(fbs[:n], x, off, bufs, stamps=True)
                 mx.eval(st)
                 stamped.append(st)
-            runs = [phase_rows(np.array(st), groups) for st in stamped[3:]]
-            rows = median_rows(runs)
+            stamped = [np.array(st) for st in stamped[3:]]
+            rows = median_rows([phase_rows(st, groups) for st in stamped])
+            late = [max(c) for c in zip(*(late_blocks(st, groups) for st in stamped))]
+            res = [max(c) for c in zip(*(residency(st) for st in stamped))]
             table = []
             for i, (first, ready, p90, end) in enumerate(rows):
                 t = end - ready
                 table.append({"layer": i // len(PHASES), "phase": PHASES[i % len(PHASES)], "blocks": groups[i],
-                              "first_in_us": first, "ready_us": ready, "p90_end_us": p90, "end_us": end, "time_us": t,
+                              "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
+                              "end_us": end, "time_us": t,
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
             out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
+                        "resident_blocks_assumed": C.RESIDENT_BLOCKS,
+                        "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
                         "total_us": rows[-1][3], "phases": table})
     finally:
         C.ATTN_TARGET_BLOCKS = default_target   # the sweep leaves the module as it found it
+        if C.RESIDENT_BLOCKS != default_resident:
+            C.RESIDENT_BLOCKS = default_resident
+            kernels.clear_builders()
     mlx_fastops.unpatch(model)
     return out
 
@@ -117,21 +154,23 @@ def markdown(results, meta):
     lines = ["# One-launch decoder layer: time per phase (instrumented kernel)", "",
              f"device {meta['device']}; mlx {meta['mlx']}; sources {meta['source']}; median of the reps; "
              "us from the launch's first block entry.", ""]
-    summary = ["| model | layers per launch | attention splits | disabled | instrumented us | us per layer |",
-               "| --- | --- | --- | --- | --- | --- |"]
+    summary = ["| model | layers per launch | attention splits | disabled | RESIDENT_BLOCKS | instrumented us | "
+               "us per layer | resident blocks seen (per SM, SMs) |",
+               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         off = ",".join(r["disabled"]) or "-"
-        summary.append(f"| {r['model']} | {r['layers']} | {r['attn_splits']} | {off} | "
-                       f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} |")
+        summary.append(f"| {r['model']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
+                       f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} | "
+                       f"{r['resident_max']} ({r['resident_per_sm_max']}, {r['sms']}) |")
         lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
                   f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
-                  f"disabled {off}: "
+                  f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}: "
                   f"{r['total_us']:.1f} us", "",
-                  "| layer | phase | blocks | first in | ready | p90 end | end | time | GB/s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| layer | phase | blocks | late | first in | ready | p90 end | end | time | GB/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in r["phases"]:
             gbs = f"{p['GBs']:.0f}" if p["GBs"] else "-"
-            lines.append(f"| {p['layer']} | {p['phase']} | {p['blocks']} | {p['first_in_us']:.1f} | {p['ready_us']:.1f} | "
+            lines.append(f"| {p['layer']} | {p['phase']} | {p['blocks']} | {p['late_max']} | {p['first_in_us']:.1f} | {p['ready_us']:.1f} | "
                          f"{p['p90_end_us']:.1f} | {p['end_us']:.1f} | {p['time_us']:.1f} | {gbs} |")
         lines.append("")
     return "\n".join(lines + ["## Summary (instrumented launch, median)", ""] + summary)
@@ -149,6 +188,9 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--attn-blocks", default="264",
                     help="attention blocks to aim for (ATTN_TARGET_BLOCKS), comma-separated: one table each")
+    ap.add_argument("--resident", default="",
+                    help="block slots the GEMV phases' blockings assume (RESIDENT_BLOCKS), comma-separated: "
+                         "one table each (default: the module's)")
     ap.add_argument("--disable", action="append", default=None,
                     help="comma-separated switches (mlx_fastops.FUSIONS) to patch without; repeatable: "
                          "one set of tables each ('' for the defaults)")
@@ -159,8 +201,9 @@ def main():
     meta = {"device": device_name(), "mlx": mx.__version__, "source": source_digest()}
     nlayers = [int(n) for n in a.layers.split(",")]
     targets = [int(t) for t in a.attn_blocks.split(",")]
+    residents = [int(r) for r in a.resident.split(",") if r] or [None]
     results = [r for name in a.models.split(",") for d in (a.disable or [""])
-               for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n])]
+               for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cuda_layer_phases.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

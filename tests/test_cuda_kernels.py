@@ -511,8 +511,9 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
         for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
             assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
     st, groups = np.asarray(stamped[0]), stamped[1]
-    assert len(groups) == 2 * C.LAYER_GROUPS and st.shape == (sum(groups), 2)
+    assert len(groups) == 2 * C.LAYER_GROUPS and st.shape == (sum(groups), 3)
     assert (st != 0x7F7F7F7F7F7F7F7F).all() and (st[:, 0] < st[:, 1]).all(), "a block was not stamped"
+    assert ((st[:, 2] >= 0) & (st[:, 2] < 1024)).all(), "an SM id out of range"
     bounds = np.cumsum([0, *groups])
     ends = [st[a:b, 1] for a, b in zip(bounds[:-1], bounds[1:])]
     fb = fbs[0]
@@ -532,6 +533,18 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
     assert len(rows) == len(groups) and min(r[0] for r in rows) == 0.0
     for (first, ready, p90, end), prev in zip(rows, [(0, 0, 0, 0.0)] + rows):
         assert ready == prev[3] and first <= p90 <= end and end > ready
+
+
+@pytest.mark.parametrize("late_entry,late,per_sm", [(16, [0, 1], 2), (11, [0, 0], 3)])
+def test_phase_stamps_second_wave_and_residency(late_entry, late, per_sm):
+    """cuda_layer_phases' late_blocks counts a group's blocks that entered after one of its own had
+    ended; residency gives the most blocks alive at once (in the launch, on one SM) and the SMs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from cuda_layer_phases import late_blocks, residency
+    st = np.array([(0, 10, 0), (0, 12, 1),                         # group 0
+                   (1, 20, 0), (1, 15, 1), (late_entry, 25, 1)])   # group 1: its block 1 ends at 15
+    assert late_blocks(st, [2, 3]) == late
+    assert residency(st) == (4, per_sm, 2)
 
 
 def test_decode_step_with_layer_groups(monkeypatch):

@@ -411,15 +411,20 @@ __device__ __forceinline__ long long layer_now() {
   return ++ticks;
 #endif
 }
-// Phase timing (layers_launch(stamps=True)): block b's entry and end times in stamps[2b], [2b+1];
-// the end is taken once the whole block is done, before it counts as arrived. (A template: the
-// stamps' int64 type is MLX's to name.)
+// Phase timing (layers_launch(stamps=True)): block b's entry and end times and its SM in
+// stamps[3b], [3b+1], [3b+2]; the end is taken once the whole block is done, before it counts as
+// arrived. (A template: the stamps' int64 type is MLX's to name.)
 template <typename I>
 __device__ __forceinline__ void layer_stamp(I* stamps, long long t_enter) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    stamps[2 * blockIdx.x] = t_enter;
-    stamps[2 * blockIdx.x + 1] = layer_now();
+    unsigned sm = 0;   // the CPU emulator runs everything on "SM 0"
+#ifdef __CUDA_ARCH__
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+#endif
+    stamps[3 * blockIdx.x] = t_enter;
+    stamps[3 * blockIdx.x + 1] = layer_now();
+    stamps[3 * blockIdx.x + 2] = sm;
   }
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -844,7 +849,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     """Consecutive decoder layers (FastBlocks with one launch_key) in one launch: x [B, L, K] ->
     (output of the last, the attention scratch output: the new last reader of every layer's
     cache). bufs: (kc, vc, after) per block. With stamps (benchmarks/cuda_layer_phases.py), also
-    (int64 [blocks, 2]: each block's entry and end time in ns, blocks per group in launch order)."""
+    (int64 [blocks, 3]: each block's entry and end time in ns and its SM, blocks per group in launch order)."""
     fb = blocks[0]
     B, L, K = x.shape
     M = B * L
@@ -865,7 +870,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
                   (M, gu.out_features // 2)]
     dtypes_out = [x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype]
     extra = min(len(blocks) - 1, 2)   # r0, r1: the residual stream between the layers
-    shapes_out += [(M, K)] * extra + ([(nblocks, 2)] if stamps else [])
+    shapes_out += [(M, K)] * extra + ([(nblocks, 3)] if stamps else [])
     dtypes_out += [x.dtype] * extra + ([mx.int64] if stamps else [])
     outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out, output_dtypes=dtypes_out,
                 grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))
