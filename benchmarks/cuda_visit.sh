@@ -17,10 +17,10 @@
 #   bash benchmarks/cuda_visit.sh host     # benchmarks/cuda_host.py (launch cost by source length; 1/2/4 layers
 #                                          # per launch, Qwen3-4B/8B), then an Nsight Systems NVTX/CUDA-API
 #                                          # summary of 4B decode where nsys is installed (~3 min)
-#   bash benchmarks/cuda_visit.sh ab NAME [NAME...]  # phases (8B, 4B; 0.6B, Llama-1B at 4 layers per launch)
+#   bash benchmarks/cuda_visit.sh ab NAME [NAME...]  # phases (8B, 4B; 0.6B at 4 and 1 layers per launch)
 #                                          # and the bench (3 repetitions), each beside the variant without
 #                                          # each fusion NAME (~4 min for one NAME); every log in $OUT/ab.tgz
-#   bash benchmarks/cuda_visit.sh all      # correctness, then phases (8B, 4B, 0.6B, Llama-1B), then bench at 3
+#   bash benchmarks/cuda_visit.sh all      # correctness, then phases (8B, 4B, 0.6B), then bench at 3
 #                                          # repetitions (~7.5 min); every log in $OUT/all.tgz
 # The device returns at most 8 files from $OUT (alphabetically): pack anything larger into a tarball.
 # Its idle warm time counts against the session's budget: hand it back (give_back) after a visit.
@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-# Phases (Qwen3-8B, 4B at 1 layer per launch; 0.6B, Llama-1B at 4), then the bench at 3 repetitions, into
+# Phases (Qwen3-8B, 4B; 0.6B at 4 and 1 layers per launch), then the bench at 3 repetitions, into
 # DIR; with NAMES, each beside the variant without each fusion NAME. Args: DIR, NAMES (space-separated,
 # or "") and the three steps' timeouts in seconds.
 phases_and_bench() {
@@ -38,7 +38,7 @@ phases_and_bench() {
   for name in $2; do dis+=(--disable "$name"); bdis+=(--disable "$name"); done
   timeout "$3" python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 \
     "${dis[@]}" --out "$A/phases_large" > "$A/phases_large.log" 2>&1
-  timeout "$4" python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b,llama-3.2-1b --layers 4 --reps 12 \
+  timeout "$4" python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \
     "${dis[@]}" --out "$A/phases_small" > "$A/phases_small.log" 2>&1
   tail -n 9 "$A/phases_large.log" "$A/phases_small.log"
   timeout "$5" python3 benchmarks/cuda_bench.py --reps 3 --models qwen3-0.6b,qwen3-4b,llama-3.2-1b,qwen3-8b \

@@ -38,8 +38,6 @@ FUSIONS = {
                     "the next group's rows sent to L2 ahead (one prologue per block)",
     "attn_prefetch": "CUDA one-launch layer: attention blocks send their chunk's cached K/V rows to L2 "
                      "before they wait for the QKV phase (the rows do not depend on it)",
-    "layer_bounds": "CUDA one-launch layer: registers capped (__launch_bounds__) so that 4 blocks fit per SM, "
-                    "as the GEMV phases' blockings assume (where the attention blocks are small)",
     "attn_head_split": "CUDA one-launch layer: attention blocks take at most 2 of a kv head's query heads "
                        "(fewer registers; the K/V chunk is read once per pair of heads)",
     "x_stage": "CUDA GEMVs (half types, rows x in_features <= 4096): each block converts x to float (with "

@@ -106,21 +106,20 @@ def attn_case(dtype, L, H, HKV, D):
 
 def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, one_wave=False,
                stream=False):
-    """The one-launch decoder layer(s) (C._layer_build), captured instead of built, under MLX's
-    kernel name (custom_kernel_<name>: layer_bounds' macro names it); with prefetch, load polling,
-    attn_prefetch and layer_bounds too (the defaults)."""
+    """The one-launch decoder layer(s) (C._layer_build), captured instead of built; with prefetch,
+    load polling and attn_prefetch too (the defaults)."""
     from mlx_fastops import kernels
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
                                   gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave, stream=stream,
-                                  attn_prefetch=prefetch, bounds=prefetch)
+                                  attn_prefetch=prefetch)
     T = C._CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
         "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") else ("float" if base(n) == "rf" else T))
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
-    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128
+    return wrap(f"layer_m{M}", kw["source"], ins, outs, kw["header"]), 128
 
 
 def cases():

@@ -70,10 +70,8 @@ def _name(kind, src):
 # GEMV
 # ---------------------------------------------------------------------------------------------
 
-# Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers;
-# the one-launch layer caps its registers for that where layer_bounds applies).
-LAYER_BLOCKS_PER_SM = 4
-RESIDENT_BLOCKS = LAYER_BLOCKS_PER_SM * 132
+# Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
+RESIDENT_BLOCKS = 4 * 132
 ONE_WAVE_MIN_K = 2048   # layer_one_wave: rows at least this long (shorter ones: a second wave is cheap)
 
 
@@ -485,7 +483,7 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
                  wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False, stream=False,
-                 attn_prefetch=False, bounds=False):
+                 attn_prefetch=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -497,10 +495,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     (and the attention blocks' static shared memory is small: see below); fold: nibble_fold;
     one_wave: layer_one_wave (gemv_config); stream: layer_stream (stream_blocks; not the QKV phase, whose
     blocks complete heads); attn_prefetch: the attention phase sends its chunk's K/V rows to L2
-    before it waits (inside attention.cu); bounds (layer_bounds): registers capped at
-    65536 / (128 * LAYER_BLOCKS_PER_SM) where the attention blocks are small (the stage condition
-    below: then the GEMV phases set the count, 96-128 registers in ptxas, and the cap costs no
-    spills there), so that the blockings' RESIDENT_BLOCKS hold. Inputs of layer j carry the suffix j (x, off, the
+    before it waits (inside attention.cu). Inputs of layer j carry the suffix j (x, off, the
     tickets and the counters are shared); layer j > 0 reads the previous layer's output from the
     scratch outputs r0/r1 (alternating), the last layer writes `out`."""
     head = dict(head_items)
@@ -514,9 +509,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     # The launch's static shared memory is the sum of its phases'; attention blocks of more than 256
     # query-head values (GB * D) alone take 20-45 KB, and static + dynamic above 48 KB needs an
     # opt-in that MLX makes only for dynamic sizes above 48000 bytes (else the launch is refused).
-    small_attention = (gb or H // HKV) * D <= 256
-    stage = stage and small_attention
-    bounds = bounds and small_attention
+    stage = stage and (gb or H // HKV) * D <= 256
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave)
@@ -605,16 +598,7 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
     outputs += ["stamps"] if stamps else []
-    name = _name("layer", header + body + f"bounds={bounds}")
-    if bounds:
-        # MLX writes `__global__ void custom_kernel_<name>(`; this macro makes it the documented
-        # `__global__ void __launch_bounds__(128, B) custom_kernel_<name>(`; the body undefines it
-        # before NVRTC looks the name up. (Without it, MLX's compile of the Qwen3-4B and
-        # Llama-3.2-1B layers held 3 blocks per SM on the H200, not the 4 the blockings assume.)
-        k = f"custom_kernel_{name}"
-        header += f"#define {k} __launch_bounds__(128, {LAYER_BLOCKS_PER_SM}) {k}\n"
-        body = f"#undef {k}\n" + body
-    kern = cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+    kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs, output_names=outputs,
                        header=header, source=body, ensure_row_contiguous=False, shared_memory=smem[0])
     return kern, groups, inputs
 
@@ -742,7 +726,6 @@ class FastBlock:
         self.one_wave = variant("layer_one_wave")
         self.stream = variant("layer_stream")
         self.attn_prefetch = variant("attn_prefetch")
-        self.bounds = variant("layer_bounds")
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -846,8 +829,7 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream, self.attn_prefetch,
-                self.bounds)
+                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream, self.attn_prefetch)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -877,7 +859,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
                                        len(blocks), stamps, fb.stage, fb.fold, fb.one_wave, fb.stream,
-                                       fb.attn_prefetch, fb.bounds)
+                                       fb.attn_prefetch)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
