@@ -103,7 +103,7 @@ case "$mode" in
     A="$OUT/ab"; mkdir -p "$A"
     : "${2:?usage: cuda_visit.sh ab NAME [NAME...]}"
     n=$(($# - 1))   # the caps grow with the variants measured
-    phases_and_bench "$A" "${*:2}" $((65 * (n + 1))) $((45 * (n + 1))) $((170 * (n + 1)))
+    phases_and_bench "$A" "${*:2}" $((65 * (n + 1))) $((60 * (n + 1))) $((170 * (n + 1)))
     tar czf "$OUT/ab.tgz" -C "$A" . ;;
   all)
     A="$OUT/all"; mkdir -p "$A"

@@ -138,12 +138,17 @@ def cases():
     yield "layer qwen2.5-0.5b M1", layer_case(1, q25, 33, ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896),
                                                             (4, 64, 896, 4864)), bias=True, prefetch=True)
     shapes8b = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
+    yield "layer qwen3-4b M1 gb2 stamps", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2,
+                                                     one_wave=True, stream=True, stamps=True)
     yield "layer qwen3-8b M1 gb2", layer_case(1, {**q06, "H": 32}, 17, shapes8b, prefetch=True, gb=2, one_wave=True,
                                               stream=True)
     llama1b = {**q06, "D": 64, "H": 32, "L": 1, "qknorm": False, "freqs": True}
-    yield "layer llama-1b M1 gb2", layer_case(1, llama1b, 33, ((4, 64, 3072, 2048), (4, 64, 2048, 2048),
-                                                                (4, 64, 16384, 2048), (4, 64, 2048, 8192)),
-                                              prefetch=True, gb=2, one_wave=True, stream=True)
+    shapes_l1b = ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192))
+    yield "layer llama-1b M1 gb2", layer_case(1, llama1b, 33, shapes_l1b, prefetch=True, gb=2, one_wave=True, stream=True)
+    yield "layers x4 llama-1b M1 gb2", layer_case(1, llama1b, 33, shapes_l1b, prefetch=True, gb=2, one_wave=True,
+                                                  stream=True, nlayers=4)
+    yield "layers x4 llama-1b M1 gb2 stamps", layer_case(1, llama1b, 33, shapes_l1b, prefetch=True, gb=2,
+                                                         one_wave=True, stream=True, nlayers=4, stamps=True)
     yield "layers x4 qwen3-0.6b M1", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4)
     yield "layers x4 qwen3-0.6b M1 stamps", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4,
                                                        stamps=True)
