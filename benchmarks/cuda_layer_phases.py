@@ -18,9 +18,12 @@ launch's first block entry:
   p90 end / end: when 90% / all of the group's blocks had ended
   time:     end - ready, the group's share of the critical path; GB/s = its bytes (weights,
             scales and biases; attention: the K/V rows) / time
-The stamps add a barrier per block and some registers: these are timings of an instrumented
+The stamps add a barrier and three stores per block: these are timings of an instrumented
 kernel (on the H200 its total came within 10% of the plain kernel's CUPTI duration in
-cuda_trace.py: 33.4 vs 37.3 us for one Qwen3-0.6B layer, 175.7 vs 178.7 us for four).
+cuda_trace.py: 33.4 vs 37.3 us for one Qwen3-0.6B layer, 175.7 vs 178.7 us for four). Its
+registers, hence its blocks per SM, must be the plain launch's (the `stamps` cases of
+tests/cuda_compile_check.py; until 70635c2 the Qwen3-4B and Llama-1B launches took 30+ more and
+held 3 blocks per SM instead of 4): the summary's resident blocks seen show it.
 One set of tables per --attn-blocks (ATTN_TARGET_BLOCKS, hence the splits of the sequence),
 --resident (RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and --disable set
 (patched without those switches, e.g. layer_wide_warps); a summary comes last, with the most
