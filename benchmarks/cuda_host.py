@@ -10,11 +10,16 @@
    model with --groups layers per launch (the weight limit lifted), rotating in one process, with
    the unpipelined host split (graph build vs evaluation) of each. Small models:
    `--skip-launch --models qwen3-0.6b,llama-3.2-1b --groups 7,14,28` (cuda_visit.sh groups).
+3. With --profile: where the default variant's graph build goes, cProfile of unpipelined decode
+   steps (build only, each step evaluated outside the profile), the functions by own time.
 """
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -56,6 +61,24 @@ def launch_cost(pad_kb, reps):
     return statistics.median(builds), statistics.median(evals)
 
 
+def build_profile(model, prompt, steps=48, top=25):
+    """The top functions by own time over `steps` unpipelined decode-step graph builds (mlx-lm's
+    model call and an argmax, as host_split times them); each step is evaluated unprofiled."""
+    from mlx_lm.models.cache import make_prompt_cache
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
+    mx.eval(y)
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        prof.disable()
+        mx.eval(y)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def grouped_copy(name, layers_per_launch):
     """A patched synthetic model whose layers share launches layers_per_launch at a time."""
     saved = C.GROUP_MAX_WEIGHTS, C.LAYERS_PER_LAUNCH
@@ -76,6 +99,7 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--groups", default="2,4", help="layers per launch of the grouped variants")
     ap.add_argument("--skip-launch", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile the default variant's step builds")
     ap.add_argument("--out", default="benchmarks/results/cuda_host")
     a = ap.parse_args()
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
@@ -120,6 +144,9 @@ def main():
             lines.append(f"| {t} | {s['tg']['median']:.1f} ({s['tg']['min']:.1f}-{s['tg']['max']:.1f}) | "
                          f"{s['build_ms']:.2f} | {s['eval_ms']:.2f} | {same[t]} |")
         lines.append("")
+        if a.profile:
+            lines += [f"### {name}: graph build of 48 decode steps, cProfile by own time", "", "```",
+                      build_profile(variants[0][1], prompt).strip(), "```", ""]
         print("\n".join(lines[-6:]), flush=True)
         del variants
         mx.clear_cache()

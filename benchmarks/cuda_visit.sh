@@ -18,7 +18,8 @@
 #                                          # per launch, Qwen3-4B/8B), then an Nsight Systems NVTX/CUDA-API
 #                                          # summary of 4B decode where nsys is installed (~3 min)
 #   bash benchmarks/cuda_visit.sh groups   # decode of Qwen3-0.6B and Llama-1B with 7, 14, 28 layers per launch
-#                                          # beside the default 4 (cuda_host.py; not yet run)
+#                                          # beside the default 4, and a cProfile of the default's step
+#                                          # builds (cuda_host.py --profile; not yet run)
 #   bash benchmarks/cuda_visit.sh ab NAME [NAME...]  # phases (8B, 4B; 0.6B at 4 and 1 layers per launch)
 #                                          # and the bench (3 repetitions), each beside the variant without
 #                                          # each fusion NAME (~4 min for one NAME); every log in $OUT/ab.tgz
@@ -102,8 +103,8 @@ case "$mode" in
       rm -f "$OUT"/host_4b.*; head -n 45 "$OUT/host_nsys_stats.txt" | cut -c1-160
     else echo "no nsys"; fi ;;
   groups)
-    timeout 420 python3 benchmarks/cuda_host.py --skip-launch --models qwen3-0.6b,llama-3.2-1b --groups 7,14,28 \
-      --out "$OUT/cuda_host_groups" > "$OUT/groups.log" 2>&1
+    timeout 420 python3 benchmarks/cuda_host.py --skip-launch --profile --models qwen3-0.6b,llama-3.2-1b \
+      --groups 7,14,28 --out "$OUT/cuda_host_groups" > "$OUT/groups.log" 2>&1
     tail -n 16 "$OUT/groups.log" ;;
   ab)
     A="$OUT/ab"; mkdir -p "$A"
