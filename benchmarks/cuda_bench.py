@@ -73,8 +73,9 @@ def run_once(model, prompt, gen):
     return len(prompt) / (t_first - t0), (gen - 1) / (t_end - t_first), toks
 
 
-def host_split(model, prompt, steps=24):
-    """Per decode step: Python graph build time and evaluation time (unpipelined), in ms."""
+def host_split(model, prompt, steps=24, profile=None):
+    """Per decode step: Python graph build time and evaluation time (unpipelined), in ms. With
+    `profile` (a cProfile.Profile), each build runs under it (its times then include the profiler's)."""
     cache = make_prompt_cache(model)
     logits = model(prompt[None], cache=cache)
     y = mx.argmax(logits[:, -1, :], axis=-1)
@@ -82,8 +83,12 @@ def host_split(model, prompt, steps=24):
     builds, evals = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
+        if profile:
+            profile.enable()
         logits = model(y[:, None], cache=cache)
         y = mx.argmax(logits[:, -1, :], axis=-1)
+        if profile:
+            profile.disable()
         t1 = time.perf_counter()
         mx.eval(y)
         t2 = time.perf_counter()

@@ -62,18 +62,10 @@ def launch_cost(pad_kb, reps):
 
 
 def build_profile(model, prompt, steps=48, top=25):
-    """The top functions by own time over `steps` unpipelined decode-step graph builds (mlx-lm's
-    model call and an argmax, as host_split times them); each step is evaluated unprofiled."""
-    from mlx_lm.models.cache import make_prompt_cache
-    cache = make_prompt_cache(model)
-    y = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
-    mx.eval(y)
+    """The top functions by own time over `steps` unpipelined decode-step graph builds (host_split's
+    steps, each evaluated unprofiled)."""
     prof = cProfile.Profile()
-    for _ in range(steps):
-        prof.enable()
-        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
-        prof.disable()
-        mx.eval(y)
+    host_split(model, prompt, steps, profile=prof)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
