@@ -6,10 +6,10 @@
    to 1-96 KB (MLX hashes a CUDA kernel's whole source at every launch), graph build (Python) and
    evaluation timed apart, median of --reps x 10 chains.
 2. Decode, pipelined (mlx-lm's generate_step, tg128 after 512 prompt tokens): patched as by
-   default (one layer per launch above GROUP_MAX_WEIGHTS, else LAYERS_PER_LAUNCH) against the same
-   model with --groups layers per launch (the weight limit lifted), rotating in one process, with
-   the unpipelined host split (graph build vs evaluation) of each. Small models:
-   `--skip-launch --models qwen3-0.6b,llama-3.2-1b --groups 7,14,28` (cuda_visit.sh groups).
+   default (one layer per launch above GROUP_MAX_WEIGHTS, else all of them in one) against the
+   same model with at most --groups layers per launch (the weight limit lifted), rotating in one
+   process, with the unpipelined host split (graph build vs evaluation) of each. Small models:
+   `--skip-launch --models qwen3-0.6b,llama-3.2-1b --groups 1,4,7` (cuda_visit.sh groups).
 3. With --profile: where the default variant's graph build goes, cProfile of unpipelined decode
    steps (build only, each step evaluated outside the profile), the functions by own time.
 """

@@ -17,9 +17,9 @@
 #   bash benchmarks/cuda_visit.sh host     # benchmarks/cuda_host.py (launch cost by source length; 1/2/4 layers
 #                                          # per launch, Qwen3-4B/8B), then an Nsight Systems NVTX/CUDA-API
 #                                          # summary of 4B decode where nsys is installed (~3 min)
-#   bash benchmarks/cuda_visit.sh groups   # decode of Qwen3-0.6B and Llama-1B with 7, 14, 28 layers per launch
-#                                          # beside the default 4, and a cProfile of the default's step
-#                                          # builds (cuda_host.py --profile; not yet run)
+#   bash benchmarks/cuda_visit.sh groups   # decode of Qwen3-0.6B and Llama-1B with at most 1, 4, 7 layers per
+#                                          # launch beside the default (all), and a cProfile of the default's
+#                                          # step builds (cuda_host.py --profile; ~6.5 min)
 #   bash benchmarks/cuda_visit.sh ab NAME [NAME...]  # phases (8B, 4B; 0.6B at 4 and 1 layers per launch)
 #                                          # and the bench (3 repetitions), each beside the variant without
 #                                          # each fusion NAME (~4 min for one NAME); every log in $OUT/ab.tgz
@@ -104,7 +104,7 @@ case "$mode" in
     else echo "no nsys"; fi ;;
   groups)
     timeout 420 python3 benchmarks/cuda_host.py --skip-launch --profile --models qwen3-0.6b,llama-3.2-1b \
-      --groups 7,14,28 --out "$OUT/cuda_host_groups" > "$OUT/groups.log" 2>&1
+      --groups 1,4,7 --out "$OUT/cuda_host_groups" > "$OUT/groups.log" 2>&1
     tail -n 16 "$OUT/groups.log" ;;
   ab)
     A="$OUT/ab"; mkdir -p "$A"

@@ -25,8 +25,11 @@ FUSIONS = {
     "layer_kernel": "CUDA: each fast_decode block as one launch (its 5 kernels as 5 block groups, "
                     "each waiting for the previous); off: 5 launches",
     "compile": "CUDA: mx.compile of the whole decode step (fast_decode blocks)",
-    "layer_groups": "CUDA compiled decode step: up to 4 consecutive one-launch layers share one launch "
-                    "(fewer kernel nodes per step)",
+    "layer_groups": "CUDA compiled decode step: consecutive one-launch layers (up to 64M weights each) "
+                    "share one launch (fewer kernel nodes per step; without layer_loop at most 4)",
+    "layer_loop": "CUDA one-launch layers: a launch of several layers has one call site per phase, each "
+                  "block picking its layer's inputs at run time (the same code, and the same float "
+                  "arithmetic, for any number of layers; else the compiler copies the phases per layer)",
     "layer_prefetch": "CUDA one-launch layer: each GEMV phase starts its weights (first step into "
                       "registers, its rows into L2) before it waits for the previous phase",
     "layer_wait_load": "CUDA one-launch layer: blocks poll the previous phase's counter with loads "

@@ -464,26 +464,29 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
         assert mx.array_equal(a, b)
 
 
-@pytest.mark.parametrize("name,batch,L,prefetch", [("qwen3-tiny", 1, 1, False), ("llama-tiny", 2, 2, True),
-                                                   ("qwen2-tiny", 1, 1, True)])
-def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monkeypatch):
-    """Both layers of a tiny model in one launch (layer_groups; the residual stream between them
-    in scratch outputs) compute exactly what one launch per layer computes; so does the launch with
-    phase stamps (layers_launch(stamps=True), which benchmarks/cuda_layer_phases.py reads), whose
-    every block is stamped, entry before end, and ends after every block of the group before it
-    (its wait; attention blocks whose split is past the valid length exit at once), across both
-    layers; the benchmark's per-phase table of them is ordered the same way."""
+@pytest.mark.parametrize("name,batch,L,prefetch,layers,loop", [
+    ("qwen3-tiny", 1, 1, False, 3, True), ("llama-tiny", 2, 2, True, 2, True), ("qwen2-tiny", 1, 1, True, 3, True),
+    ("qwen3-tiny", 2, 1, True, 3, False)])
+def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, layers, loop, monkeypatch):
+    """Every layer of a short model in one launch (layer_groups; the residual stream between them
+    in scratch outputs; loop: layer_loop, one call site per phase) computes exactly what one launch
+    per layer computes; so does the launch with phase stamps (layers_launch(stamps=True), which
+    benchmarks/cuda_layer_phases.py reads), whose every block is stamped, entry before end, and
+    ends after every block of the group before it (its wait; attention blocks whose split is past
+    the valid length exit at once), across the layers; the benchmark's per-phase table of them is
+    ordered the same way."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3, layers=layers)
     mlx_fastops.patch(model, disable=("compile",))
     try:
         fbs = [layer.fast_fn for layer in model.model.layers]
-        assert len(fbs) == 2 and fbs[0].launch_key() == fbs[1].launch_key()
+        assert len(fbs) == layers and all(fb.launch_key() == fbs[0].launch_key() for fb in fbs)
         for fb in fbs:
             fb.prefetch = fb.wait_load = fb.attn_prefetch = prefetch
+            fb.loop = loop
         P, D, HKV = 300, fbs[0].D, fbs[0].HKV
         caches = [[mx.random.normal((batch, HKV, 512, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
@@ -501,7 +504,7 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
                                                    stamps=mode == "stamped")
             mx.eval(out, o)
             results.append((out, o, bufs))
-        assert not np.asarray(fbs[0].layer_counters(2)).any(), "counters not reset"
+        assert not np.asarray(fbs[0].layer_counters(layers)).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)
     (out1, o1, bufs1), *launched = results
@@ -511,7 +514,7 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, monk
         for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
             assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
     st, groups = np.asarray(stamped[0]), stamped[1]
-    assert len(groups) == 2 * C.LAYER_GROUPS and st.shape == (sum(groups), 3)
+    assert len(groups) == layers * C.LAYER_GROUPS and st.shape == (sum(groups), 3)
     assert (st != 0x7F7F7F7F7F7F7F7F).all() and (st[:, 0] < st[:, 1]).all(), "a block was not stamped"
     assert ((st[:, 2] >= 0) & (st[:, 2] < 1024)).all(), "an SM id out of range"
     bounds = np.cumsum([0, *groups])
@@ -571,6 +574,22 @@ def test_decode_step_with_layer_groups(monkeypatch):
         mx.enable_compile()
     assert np.isfinite(np.asarray(logits[0])).all()
     assert mx.array_equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("loop,most,runs", [(True, None, [(0, 1), (1, 6), (7, 2), (9, 1)]),
+                                           (True, 4, [(0, 1), (1, 4), (5, 2), (7, 2), (9, 1)]),
+                                           (False, None, [(0, 1), (1, 4), (5, 2), (7, 2), (9, 1)]),
+                                           (False, 2, [(0, 1), (1, 2), (3, 2), (5, 2), (7, 2), (9, 1)])])
+def test_launch_runs(loop, most, runs, monkeypatch):
+    """Consecutive groupable layers of one launch key share a launch: all of them with layer_loop,
+    at most UNLOOPED_LAYERS_MAX without it, at most LAYERS_PER_LAUNCH either way; a layer that is
+    not groupable, or of another key, starts a new launch."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(C, "LAYERS_PER_LAUNCH", most)
+    keys = [1, 1, 1, 1, 1, 1, 1, 2, 2, 2]
+    fasts = [SimpleNamespace(group_layers=i != 0, loop=loop, launch_key=lambda k=k: k) for i, k in enumerate(keys)]
+    fasts[9].group_layers = False
+    assert C.launch_runs(fasts) == runs
 
 
 @pytest.mark.parametrize("limit,disable,one_launch,groups", [(1.0, (), True, True), (0.99, (), True, False),

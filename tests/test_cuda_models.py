@@ -209,3 +209,21 @@ def test_qwen3_0p6b_patched_at_least_as_close_to_fp32_as_stock(monkeypatch):
     print(f"qwen3-0.6b vs float32: stock {stock}, patched {fused}")
     assert fused["mean_abs"] <= 1.05 * stock["mean_abs"]
     assert fused["top1_agree"] >= stock["top1_agree"] - 1 / 24
+
+
+@pytest.mark.parametrize("name,layers", [("qwen3-0.6b", 8), ("llama-3.2-1b", 8)])
+def test_layers_in_one_launch_bitwise_at_real_sizes(name, layers, monkeypatch):
+    """All layers of a real-size model in one launch give exactly the per-layer launches' output and
+    cache rows, and the same again on a rerun (what the emulator's tiny models cannot show: NVRTC
+    inlines a tiny launch whole; without layer_loop it called out-of-line copies of the phases
+    from the fifth layer on, and those rounded differently: 1-3 of 4 trials differed)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from cuda_layers_bitwise import decode_mismatches, layer_mismatches
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    assert layer_mismatches(name, layers, 3) == {"out": 0, "rerun": 0, "cache": 0}
+    # the compiled decode step: every layer in one launch, one per launch, 4 per launch (layer_loop off)
+    diffs = decode_mismatches(name, steps=12, layers=layers)
+    assert len(diffs) == 3 and all(d == (0, 0, 0) for d in diffs.values()), diffs

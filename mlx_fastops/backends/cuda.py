@@ -7,7 +7,7 @@ Ops (same signatures as backends/reference.py):
 Ops without a CUDA kernel (rms_norm_residual, qk_norm_rope, flash_attention) use the reference.
 
 Fast decode path (`fast_block`): a whole decoder block in one launch (the 5 kernels below as 5
-block groups, each waiting for the previous; layers of up to GROUP_MAX_WEIGHTS up to 4 per launch)
+block groups, each waiting for the previous; consecutive layers of up to GROUP_MAX_WEIGHTS in one launch)
 or (layer_kernel disabled) in 5 launches, when the layer's cache is a `StaticKVCache` and B*L <= 8:
   1. input RMSNorm + QKV GEMV + q/k RMSNorm + RoPE + k/v written into the cache in place
   2. attention over the cache buffers (split over the sequence, merged in the same launch)
@@ -19,8 +19,9 @@ their weights before they wait (layer_prefetch), waits poll with loads (layer_wa
 attention blocks take 2 query heads (attn_head_split), GEMV phases take 2-4 rows per warp where
 that keeps them in one wave of blocks (layer_one_wave), GEMV phases of more row groups than a
 wave launch one wave whose blocks run several groups in turn (layer_stream), attention blocks send
-their chunk's K/V rows to L2 before they wait for q (attn_prefetch), and the compiled step puts up to 4
-consecutive layers in one launch (layer_groups). Every GEMV turns 4-bit weights into floats by one
+their chunk's K/V rows to L2 before they wait for q (attn_prefetch), and the compiled step puts
+consecutive layers in one launch (layer_groups), each phase with one call site whose block picks
+its layer's inputs (layer_loop; off: one call site per layer and phase, up to 4 layers). Every GEMV turns 4-bit weights into floats by one
 byte permute (nibble_fold) and, where x fits, converts (and normalizes) x once per block into
 shared memory (x_stage).
 Kernel sources reach MLX with the conditionals their defines decide cut down and without comments
@@ -488,7 +489,7 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
 @cached_builder
 def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb=None, prefetch=False,
                  wait_load=False, nlayers=1, stamps=False, stage=True, fold=True, one_wave=False, stream=False,
-                 attn_prefetch=False):
+                 attn_prefetch=False, loop=False):
     """The decoder layer as one launch; with nlayers > 1, that many consecutive layers (same
     shapes) in one launch (layer_groups). Returns (kernel, blocks per group, input names).
 
@@ -502,7 +503,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     blocks complete heads); attn_prefetch: the attention phase sends its chunk's K/V rows to L2
     before it waits (inside attention.cu). Inputs of layer j carry the suffix j (x, off, the
     tickets and the counters are shared); layer j > 0 reads the previous layer's output from the
-    scratch outputs r0/r1 (alternating), the last layer writes `out`."""
+    scratch outputs r0/r1 (alternating), the last layer writes `out`. loop (layer_loop, nlayers >
+    1): each phase has one call site, its layer's inputs picked at run time (_loop_body); else one
+    call site per layer and phase."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -577,6 +580,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
         inputs += [n for n in qkv[1:] if n not in inputs and not n.endswith(("_shape", "_strides"))]
         inputs += [f"{n}{j}" for n in ("o_w", "o_sc", "o_bi", "gu_w", "gu_sc", "gu_bi", "post_nw", "dn_w", "dn_sc",
                                        "dn_bi")]
+    if loop and nlayers > 1:
+        body = _loop_body(calls[:LAYER_GROUPS], sizes, nlayers, waits_inside, stamps)
+        return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
     wait = lambda g: "" if g == 0 or inside(g) else f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n    "
     body = "  int blk = blockIdx.x;\n" + ("  layer_stamp_entry(stamps);\n" if stamps else "")
     stamp = "layer_stamp(stamps);\n    " if stamps else ""
@@ -599,13 +605,72 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     }}
   }}
 """
+    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
+
+
+def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
     # MLX puts the header before its `namespace mlx::core::cu {` (where Shape and Strides live)
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
     outputs += ["stamps"] if stamps else []
-    kern = cuda_kernel(name=_name("layer", header + body), input_names=inputs, output_names=outputs,
-                       header=header, source=body, ensure_row_contiguous=False, shared_memory=smem[0])
-    return kern, groups, inputs
+    return cuda_kernel(name=_name("layer", header + body), input_names=inputs, output_names=outputs,
+                       header=header, source=body, ensure_row_contiguous=False, shared_memory=smem)
+
+
+# layer_loop: with one call site per layer and phase, NVRTC inlines the phases of the first few
+# layers and calls out-of-line copies for the rest (in the PTX of Qwen3-0.6B's 8-layer launch:
+# layer_qkv and layer_attn from the fifth layer on), whose float arithmetic is contracted
+# differently: on the H200 that launch's output differed from one launch per layer in 1 of 4 random
+# trials (Llama-3.2-1B: 3 of 4), from the fifth layer on, the same way every run; 2 and 4 layers
+# were bit-identical. So the phases get one call site each: a block finds its layer j and phase,
+# then picks layer j's inputs from the kernel's parameters (a switch per phase), and the code is the
+# one-layer launch's whatever the number of layers.
+def _loop_body(calls, sizes, nlayers, waits_inside, stamps):
+    """The multi-layer launch's body with one call site per phase. calls: layer 0's phase calls
+    (inputs with suffix 0), rewritten to take layer j's inputs, picked at run time. The picks name
+    every layer's inputs literally: MLX passes an input's strides only where its source names them."""
+    import re
+    per = sum(sizes)
+    rs = ["r0", "r1"][:min(nlayers - 1, 2)]
+    prev = "r0" if len(rs) == 1 else "((j - 1) % 2 == 0 ? r0 : r1)"
+    mine = "r0" if len(rs) == 1 else "(j % 2 == 0 ? r0 : r1)"
+    body = [f"  int blk = blockIdx.x;",
+            f"  const int j = blk / {per};   // the block's layer, and its index within the layer",
+            f"  blk -= j * {per};", f"  const int g0 = j * {LAYER_GROUPS};   // the layer's first group"]
+    body += ["  layer_stamp_entry(stamps);"] if stamps else []
+    body += [f"  const auto xin = j == 0 ? x : {prev};   // the layer's input and output",
+             f"  const auto yout = j == {nlayers - 1} ? out : {mine};"]
+    last = LAYER_GROUPS - 1
+    before = lambda p: f"g0 - 1" if p == 0 else f"g0 + {p - 1}"   # the group this phase waits for
+    for p, (n, call) in enumerate(zip(sizes, calls)):
+        call = call.replace("(blk, x,", "(blk, xin,").replace(", x,", ", xin,").replace(", r0)", ", yout)")
+        call = call.replace(", out)", ", yout)")
+        strided = list(dict.fromkeys(re.findall(r"\b([a-z_]+)0_strides\b", call)))
+        names = list(dict.fromkeys(re.findall(r"\b([a-z_]+)0\b", call)))   # not shapes: layer 0's serve
+        call = re.sub(r"\b([a-z_]+)0_strides\b", r"*\1_strides_", call)
+        call = re.sub(r"\b([a-z_]+)0\b", r"\1_", call)
+        n_before = sizes[(p - 1) % LAYER_GROUPS]
+        if waits_inside(p):   # WAIT_INPUTS' arguments (g < 0: the launch's first group, no wait)
+            call = re.sub(r", ctr, -?\d+, \d+", f", ctr, {before(p)}, {n_before}", call)
+        pick = lambda k: " ".join([f"{m}_ = {m}{k};" for m in names] +
+                                  [f"{m}_strides_ = &{m}{k}_strides;" for m in strided])
+        lines = [f"  if (blk < {n}) {{"]
+        lines += [f"    auto {m}_ = {m}0;" for m in names] + [f"    auto {m}_strides_ = &{m}0_strides;" for m in strided]
+        lines += ["    switch (j) {"] + [f"      case {k}: {pick(k)} break;" for k in range(1, nlayers)] + ["    }"]
+        if not waits_inside(p):
+            lines.append(f"    layer_wait(ctr, {before(p)}, {n_before});")
+        lines.append(f"    {call};")
+        lines += ["    layer_stamp(stamps);"] if stamps else []
+        if p < last:
+            lines += [f"    layer_done(ctr, g0 + {p});", "    return;", "  }", f"  blk -= {n};"]
+        else:   # the launch's last block resets the counters for the next launch
+            lines += ["    __threadfence();", "    __syncthreads();", "    if (threadIdx.x == 0) {",
+                      "      int* c = const_cast<int*>(ctr);",
+                      f"      if (atomicAdd(c + g0 + {last}, 1) == {n} - 1 && j == {nlayers - 1}) {{",
+                      f"        for (int i = 0; i < {LAYER_GROUPS * nlayers}; ++i) c[i] = 0;", "      }", "    }",
+                      "  }"]
+        body += lines
+    return "\n".join(body) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -731,6 +796,7 @@ class FastBlock:
         self.one_wave = variant("layer_one_wave")
         self.stream = variant("layer_stream")
         self.attn_prefetch = variant("attn_prefetch")
+        self.loop = variant("layer_loop")
         large = self.weights > GROUP_MAX_WEIGHTS
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
@@ -834,7 +900,8 @@ class FastBlock:
         ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
                    for w in (self.qkv, self.o, self.gate_up, self.down))
         return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb,
-                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream, self.attn_prefetch)
+                self.prefetch, self.wait_load, self.stage, self.fold, self.one_wave, self.stream, self.attn_prefetch,
+                self.loop)
 
     def __call__(self, x, cache):
         if not self.supports(x):
@@ -864,7 +931,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     kern, groups, names = _layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                        fb.head + (("L", L),), nsplit, fb.scale, fb.gb, fb.prefetch, fb.wait_load,
                                        len(blocks), stamps, fb.stage, fb.fold, fb.one_wave, fb.stream,
-                                       fb.attn_prefetch)
+                                       fb.attn_prefetch, fb.loop)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
@@ -937,18 +1004,22 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
 _INNER_CLASSES = {}
 
 
-LAYERS_PER_LAUNCH = 4   # layer_groups
+LAYERS_PER_LAUNCH = None   # layer_groups: the most layers in one launch (None: no limit)
+# without layer_loop: launches of more layers were not bit-identical to one per layer (_loop_body)
+UNLOOPED_LAYERS_MAX = 4
 
 
 def launch_runs(fasts):
-    """[(first block, blocks)] in order: up to LAYERS_PER_LAUNCH consecutive one-launch blocks of
-    one launch_key share a launch (group_layers, i.e. layer_groups not disabled); otherwise one
-    block each."""
+    """[(first block, blocks)] in order: consecutive one-launch blocks of one launch_key share a
+    launch (group_layers, i.e. layer_groups not disabled), up to LAYERS_PER_LAUNCH (without
+    layer_loop up to UNLOOPED_LAYERS_MAX); otherwise one block each."""
     runs, i = [], 0
     while i < len(fasts):
         n = 1
         if fasts[i].group_layers:
-            while (n < LAYERS_PER_LAUNCH and i + n < len(fasts) and fasts[i + n].group_layers
+            most = LAYERS_PER_LAUNCH or len(fasts)
+            most = most if fasts[i].loop else min(most, UNLOOPED_LAYERS_MAX)
+            while (n < most and i + n < len(fasts) and fasts[i + n].group_layers
                    and fasts[i + n].launch_key() == fasts[i].launch_key()):
                 n += 1
         runs.append((i, n))
