@@ -554,35 +554,41 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
     waits_inside = lambda p: attn_prefetch if p == 1 else prefetch
     inside = lambda g: g > 0 and waits_inside(g % LAYER_GROUPS)   # group 0 never waits
 
+    def phase_args(x, out, w):
+        """[(function, arguments)] of one layer's phases; (base, kind) stands for the layer's own
+        input `base` (kind "": the array, "_shape" / "_strides": its shape / strides). w(p):
+        WAIT_INPUTS' arguments of phase p."""
+        P = lambda base, kind="": (base, kind)
+        qkv = [x, P("qkv_w"), P("qkv_w", "_shape"), P("qkv_sc"), P("qkv_bi"), P("in_nw")]
+        qkv += ([P("qkv_bias")] if bias else []) + ([P("qn"), P("kn")] if head["qknorm"] else []) + ["off"]
+        cache = [P("kc"), P("kc", "_strides"), P("vc"), P("vc", "_strides")]
+        qkv += ([P("rf")] if head["freqs"] else []) + cache + ["head_cnt", P("after")]
+        return [("layer_qkv", qkv + w(0) + ["yq", "ys"]),
+                ("layer_attn", ["yq", *cache, "off", "attn_cnt"] + w(1) + ["o", "pm", "po"]),
+                ("layer_o", ["o", P("o_w"), P("o_w", "_shape"), P("o_sc"), P("o_bi"), x] + w(2) + ["h"]),
+                ("layer_gate_up", ["h", P("gu_w"), P("gu_w", "_shape"), P("gu_sc"), P("gu_bi"), P("post_nw")] + w(3)
+                 + ["a"]),
+                ("layer_down", ["a", P("dn_w"), P("dn_w", "_shape"), P("dn_sc"), P("dn_bi"), "h"] + w(4) + [out])]
+
     def layer_calls(j):
+        """Layer j's phase calls, its inputs named with the suffix j."""
         x = "x" if j == 0 else f"r{(j - 1) % 2}"
         out = "out" if j == nlayers - 1 else f"r{j % 2}"
         def w(p):   # WAIT_INPUTS' arguments: the group before this phase (none before the first)
             g = LAYER_GROUPS * j + p
-            if not waits_inside(p):
-                return ""
-            return f", ctr, {g - 1}, {groups[g - 1] if g > 0 else 0}"
+            return ["ctr", str(g - 1), str(groups[g - 1] if g > 0 else 0)] if waits_inside(p) else []
+        name = lambda a: a if isinstance(a, str) else f"{a[0]}{j}{a[1]}"
+        return [f"{f}(blk, {', '.join(map(name, args))})" for f, args in phase_args(x, out, w)]
 
-        qkv = [x, f"qkv_w{j}", f"qkv_w{j}_shape", f"qkv_sc{j}", f"qkv_bi{j}", f"in_nw{j}"]
-        qkv += ([f"qkv_bias{j}"] if bias else []) + ([f"qn{j}", f"kn{j}"] if head["qknorm"] else []) + ["off"]
-        qkv += ([f"rf{j}"] if head["freqs"] else []) + [f"kc{j}", f"kc{j}_strides", f"vc{j}", f"vc{j}_strides",
-                                                        "head_cnt", f"after{j}"]
-        return [f"layer_qkv(blk, {', '.join(qkv)}{w(0)}, yq, ys)",
-                f"layer_attn(blk, yq, kc{j}, kc{j}_strides, vc{j}, vc{j}_strides, off, attn_cnt{w(1)}, o, pm, po)",
-                f"layer_o(blk, o, o_w{j}, o_w{j}_shape, o_sc{j}, o_bi{j}, {x}{w(2)}, h)",
-                f"layer_gate_up(blk, h, gu_w{j}, gu_w{j}_shape, gu_sc{j}, gu_bi{j}, post_nw{j}{w(3)}, a)",
-                f"layer_down(blk, a, dn_w{j}, dn_w{j}_shape, dn_sc{j}, dn_bi{j}, h{w(4)}, {out})"], qkv
-
-    calls, inputs = [], ["x", "off", "head_cnt", "attn_cnt", "ctr"]
+    inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"]
     for j in range(nlayers):
-        c, qkv = layer_calls(j)
-        calls += c
-        inputs += [n for n in qkv[1:] if n not in inputs and not n.endswith(("_shape", "_strides"))]
-        inputs += [f"{n}{j}" for n in ("o_w", "o_sc", "o_bi", "gu_w", "gu_sc", "gu_bi", "post_nw", "dn_w", "dn_sc",
-                                       "dn_bi")]
+        own = [f"{a[0]}{j}" for _, args in phase_args("x", "out", lambda p: []) for a in args
+               if not isinstance(a, str) and not a[1]]
+        inputs += list(dict.fromkeys(own))
     if loop and nlayers > 1:
-        body = _loop_body(calls[:LAYER_GROUPS], sizes, nlayers, waits_inside, stamps)
+        body = _loop_body(phase_args, sizes, nlayers, waits_inside, stamps)
         return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
+    calls = [c for j in range(nlayers) for c in layer_calls(j)]
     wait = lambda g: "" if g == 0 or inside(g) else f"layer_wait(ctr, {g - 1}, {groups[g - 1]});\n    "
     body = "  int blk = blockIdx.x;\n" + ("  layer_stamp_entry(stamps);\n" if stamps else "")
     stamp = "layer_stamp(stamps);\n    " if stamps else ""
@@ -625,11 +631,11 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
 # were bit-identical. So the phases get one call site each: a block finds its layer j and phase,
 # then picks layer j's inputs from the kernel's parameters (a switch per phase), and the code is the
 # one-layer launch's whatever the number of layers.
-def _loop_body(calls, sizes, nlayers, waits_inside, stamps):
-    """The multi-layer launch's body with one call site per phase. calls: layer 0's phase calls
-    (inputs with suffix 0), rewritten to take layer j's inputs, picked at run time. The picks name
-    every layer's inputs literally: MLX passes an input's strides only where its source names them."""
-    import re
+def _loop_body(phase_args, sizes, nlayers, waits_inside, stamps):
+    """The multi-layer launch's body with one call site per phase: each block takes its layer j's
+    inputs, picked at run time from the kernel's parameters (the picks name every layer's inputs
+    literally: MLX passes an input's strides only where its source names them). phase_args: as in
+    _layer_build; shapes are equal across the layers, so layer 0's serve."""
     per = sum(sizes)
     rs = ["r0", "r1"][:min(nlayers - 1, 2)]
     prev = "r0" if len(rs) == 1 else "((j - 1) % 2 == 0 ? r0 : r1)"
@@ -642,23 +648,21 @@ def _loop_body(calls, sizes, nlayers, waits_inside, stamps):
              f"  const auto yout = j == {nlayers - 1} ? out : {mine};"]
     last = LAYER_GROUPS - 1
     before = lambda p: f"g0 - 1" if p == 0 else f"g0 + {p - 1}"   # the group this phase waits for
-    for p, (n, call) in enumerate(zip(sizes, calls)):
-        call = call.replace("(blk, x,", "(blk, xin,").replace(", x,", ", xin,").replace(", r0)", ", yout)")
-        call = call.replace(", out)", ", yout)")
-        strided = list(dict.fromkeys(re.findall(r"\b([a-z_]+)0_strides\b", call)))
-        names = list(dict.fromkeys(re.findall(r"\b([a-z_]+)0\b", call)))   # not shapes: layer 0's serve
-        call = re.sub(r"\b([a-z_]+)0_strides\b", r"*\1_strides_", call)
-        call = re.sub(r"\b([a-z_]+)0\b", r"\1_", call)
-        n_before = sizes[(p - 1) % LAYER_GROUPS]
-        if waits_inside(p):   # WAIT_INPUTS' arguments (g < 0: the launch's first group, no wait)
-            call = re.sub(r", ctr, -?\d+, \d+", f", ctr, {before(p)}, {n_before}", call)
+    # WAIT_INPUTS' arguments (g < 0: the launch's first group, no wait)
+    w = lambda p: ["ctr", before(p), str(sizes[(p - 1) % LAYER_GROUPS])] if waits_inside(p) else []
+    kinds = {"": "{}_", "_shape": "{}0_shape", "_strides": "*{}_strides_"}
+    for p, (n, (f, args)) in enumerate(zip(sizes, phase_args("xin", "yout", w))):
+        own = [a for a in args if not isinstance(a, str)]
+        names = list(dict.fromkeys(b for b, k in own if not k))
+        strided = list(dict.fromkeys(b for b, k in own if k == "_strides"))
+        call = f"{f}(blk, {', '.join(a if isinstance(a, str) else kinds[a[1]].format(a[0]) for a in args)})"
         pick = lambda k: " ".join([f"{m}_ = {m}{k};" for m in names] +
                                   [f"{m}_strides_ = &{m}{k}_strides;" for m in strided])
         lines = [f"  if (blk < {n}) {{"]
         lines += [f"    auto {m}_ = {m}0;" for m in names] + [f"    auto {m}_strides_ = &{m}0_strides;" for m in strided]
         lines += ["    switch (j) {"] + [f"      case {k}: {pick(k)} break;" for k in range(1, nlayers)] + ["    }"]
         if not waits_inside(p):
-            lines.append(f"    layer_wait(ctr, {before(p)}, {n_before});")
+            lines.append(f"    layer_wait(ctr, {before(p)}, {sizes[(p - 1) % LAYER_GROUPS]});")
         lines.append(f"    {call};")
         lines += ["    layer_stamp(stamps);"] if stamps else []
         if p < last:
