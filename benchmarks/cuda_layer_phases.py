@@ -24,6 +24,10 @@ cuda_trace.py: 33.4 vs 37.3 us for one Qwen3-0.6B layer, 175.7 vs 178.7 us for f
 registers, hence its blocks per SM, must be the plain launch's (the `stamps` cases of
 tests/cuda_compile_check.py; until 70635c2 the Qwen3-4B and Llama-1B launches took 30+ more and
 held 3 blocks per SM instead of 4): the summary's resident blocks seen show it.
+A launch of one layer re-runs the same layer every rep: weights that fit the 50 MB L2 (Llama-1B 29
+MB, Qwen3-4B 48 MB per layer) may still be there from the previous rep, which decode never sees (on
+the H200: Llama-1B 37.1 us per layer alone vs 50.3 in a launch of 4 distinct layers, gate/up 1510
+vs 1022 GB/s; Qwen3-4B 60.7 vs 72.5): read per-phase figures from launches of several layers.
 One set of tables per --attn-blocks (ATTN_TARGET_BLOCKS, hence the splits of the sequence),
 --resident (RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and --disable set
 (patched without those switches, e.g. layer_wide_warps); a summary comes last, with the most
