@@ -215,8 +215,8 @@ def test_qwen3_0p6b_patched_at_least_as_close_to_fp32_as_stock(monkeypatch):
 def test_layers_in_one_launch_bitwise_at_real_sizes(name, layers, monkeypatch):
     """All layers of a real-size model in one launch give exactly the per-layer launches' output and
     cache rows, and the same again on a rerun (what the emulator's tiny models cannot show: NVRTC
-    inlines a tiny launch whole; without layer_loop it called out-of-line copies of the phases
-    from the fifth layer on, and those rounded differently: 1-3 of 4 trials differed)."""
+    inlines a tiny launch whole; without layer_loop an 8-layer launch called out-of-line copies of
+    phases, which rounded differently: 1-3 of 4 trials differed)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -623,12 +623,11 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
                        header=header, source=body, ensure_row_contiguous=False, shared_memory=smem)
 
 
-# layer_loop: with one call site per layer and phase, NVRTC inlines the phases of the first few
-# layers and calls out-of-line copies for the rest (in the PTX of Qwen3-0.6B's 8-layer launch:
-# layer_qkv and layer_attn from the fifth layer on), whose float arithmetic is contracted
-# differently: on the H200 that launch's output differed from one launch per layer in 1 of 4 random
-# trials (Llama-3.2-1B: 3 of 4), from the fifth layer on, the same way every run; 2 and 4 layers
-# were bit-identical. So the phases get one call site each: a block finds its layer j and phase,
+# layer_loop: with one call site per layer and phase, NVRTC stops inlining every call in long
+# launches (the PTX of Qwen3-0.6B's 8-layer launch calls out-of-line layer_qkv and layer_attn 12
+# times; 5 layers: no calls), and those copies contract their float arithmetic differently: on the
+# H200 that launch's output differed from one launch per layer in 1 of 4 random trials (Llama-3.2-1B:
+# 3 of 4), the same way every run; 2 and 4 layers were bit-identical. So the phases get one call site each: a block finds its layer j and phase,
 # then picks layer j's inputs from the kernel's parameters (a switch per phase), and the code is the
 # one-layer launch's whatever the number of layers.
 def _loop_body(phase_args, sizes, nlayers, waits_inside, stamps):
