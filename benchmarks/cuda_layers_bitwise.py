@@ -12,9 +12,9 @@
    steps through the compiled decode step) of the default grouping against one layer per launch
    (layer_groups off) and against layer_loop off, each run twice: elements that differ.
 
-Why: with one call site per layer and phase NVRTC stopped inlining the phases after the fourth
-layer, and those out-of-line copies round differently (backends/cuda.py, _loop_body). Needs MLX's
-CUDA backend (the CPU emulator cannot run these sizes in useful time).
+Why: with one call site per layer and phase, NVRTC calls out-of-line copies of phases in long
+launches (8 layers; none up to 5), and those round differently (backends/cuda.py, _loop_body).
+Needs MLX's CUDA backend (the CPU emulator cannot run these sizes in useful time).
 """
 
 import argparse

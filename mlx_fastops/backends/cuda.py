@@ -21,9 +21,9 @@ that keeps them in one wave of blocks (layer_one_wave), GEMV phases of more row 
 wave launch one wave whose blocks run several groups in turn (layer_stream), attention blocks send
 their chunk's K/V rows to L2 before they wait for q (attn_prefetch), and the compiled step puts
 consecutive layers in one launch (layer_groups), each phase with one call site whose block picks
-its layer's inputs (layer_loop; off: one call site per layer and phase, up to 4 layers). Every GEMV turns 4-bit weights into floats by one
-byte permute (nibble_fold) and, where x fits, converts (and normalizes) x once per block into
-shared memory (x_stage).
+its layer's inputs (layer_loop; off: one call site per layer and phase, up to 4 layers). Every
+GEMV turns 4-bit weights into floats by one byte permute (nibble_fold) and, where x fits, converts
+(and normalizes) x once per block into shared memory (x_stage).
 Kernel sources reach MLX with the conditionals their defines decide cut down and without comments
 (kernels.resolve_conditionals, compact_source): MLX hashes the whole source at every launch.
 Kernel objects are built lazily, once per (kernel, static shape class); model constants (norm
@@ -580,11 +580,9 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
         name = lambda a: a if isinstance(a, str) else f"{a[0]}{j}{a[1]}"
         return [f"{f}(blk, {', '.join(map(name, args))})" for f, args in phase_args(x, out, w)]
 
-    inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"]
-    for j in range(nlayers):
-        own = [f"{a[0]}{j}" for _, args in phase_args("x", "out", lambda p: []) for a in args
-               if not isinstance(a, str) and not a[1]]
-        inputs += list(dict.fromkeys(own))
+    own = dict.fromkeys(a[0] for _, args in phase_args("x", "out", lambda p: []) for a in args
+                        if not isinstance(a, str) and not a[1])   # a layer's own arrays, in call order
+    inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"] + [f"{b}{j}" for j in range(nlayers) for b in own]
     if loop and nlayers > 1:
         body = _loop_body(phase_args, sizes, nlayers, waits_inside, stamps)
         return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
@@ -627,18 +625,18 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
 # launches (the PTX of Qwen3-0.6B's 8-layer launch calls out-of-line layer_qkv and layer_attn 12
 # times; 5 layers: no calls), and those copies contract their float arithmetic differently: on the
 # H200 that launch's output differed from one launch per layer in 1 of 4 random trials (Llama-3.2-1B:
-# 3 of 4), the same way every run; 2 and 4 layers were bit-identical. So the phases get one call site each: a block finds its layer j and phase,
-# then picks layer j's inputs from the kernel's parameters (a switch per phase), and the code is the
-# one-layer launch's whatever the number of layers.
+# 3 of 4), the same way every run; 2 and 4 layers were bit-identical. So the phases get one call
+# site each: a block finds its layer j and phase, then picks layer j's inputs from the kernel's
+# parameters (a switch per phase), and the code is the one-layer launch's whatever the number of
+# layers.
 def _loop_body(phase_args, sizes, nlayers, waits_inside, stamps):
     """The multi-layer launch's body with one call site per phase: each block takes its layer j's
     inputs, picked at run time from the kernel's parameters (the picks name every layer's inputs
     literally: MLX passes an input's strides only where its source names them). phase_args: as in
     _layer_build; shapes are equal across the layers, so layer 0's serve."""
     per = sum(sizes)
-    rs = ["r0", "r1"][:min(nlayers - 1, 2)]
-    prev = "r0" if len(rs) == 1 else "((j - 1) % 2 == 0 ? r0 : r1)"
-    mine = "r0" if len(rs) == 1 else "(j % 2 == 0 ? r0 : r1)"
+    prev = "((j - 1) % 2 == 0 ? r0 : r1)" if nlayers > 2 else "r0"   # r1 exists from 3 layers on
+    mine = "(j % 2 == 0 ? r0 : r1)" if nlayers > 2 else "r0"
     body = [f"  int blk = blockIdx.x;",
             f"  const int j = blk / {per};   // the block's layer, and its index within the layer",
             f"  blk -= j * {per};", f"  const int g0 = j * {LAYER_GROUPS};   // the layer's first group"]
