@@ -599,17 +599,20 @@ def _layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, s
   blk -= {n};
 """
     last = len(groups) - 1
-    body += f"""  {wait(last)}{calls[last]};
-  {stamp}__threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {{   // the last block of the launch resets the counters for the next one
-    int* c = const_cast<int*>(ctr);
-    if (atomicAdd(c + {last}, 1) == {groups[last]} - 1) {{
-      for (int i = 0; i < {len(groups)}; ++i) c[i] = 0;
-    }}
-  }}
-"""
+    body += f"  {wait(last)}{calls[last]};\n  {stamp}"
+    body += "".join(f"  {line}\n" for line in _counter_reset(last, groups[last], len(groups)))
     return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
+
+
+def _counter_reset(group, arrivals, counters, only_if=""):
+    """CUDA lines ending a launch's last phase: the block that finishes last (the `arrivals`-th
+    of group counter `group`, where `only_if` also holds) zeroes the launch's `counters` group
+    counters for the next launch."""
+    return ["__threadfence();", "__syncthreads();",
+            "if (threadIdx.x == 0) {   // the last block of the launch resets the counters for the next one",
+            "  int* c = const_cast<int*>(ctr);",
+            f"  if (atomicAdd(c + {group}, 1) == {arrivals} - 1{only_if}) {{",
+            f"    for (int i = 0; i < {counters}; ++i) c[i] = 0;", "  }", "}"]
 
 
 def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
@@ -664,12 +667,9 @@ def _loop_body(phase_args, sizes, nlayers, waits_inside, stamps):
         lines += ["    layer_stamp(stamps);"] if stamps else []
         if p < last:
             lines += [f"    layer_done(ctr, g0 + {p});", "    return;", "  }", f"  blk -= {n};"]
-        else:   # the launch's last block resets the counters for the next launch
-            lines += ["    __threadfence();", "    __syncthreads();", "    if (threadIdx.x == 0) {",
-                      "      int* c = const_cast<int*>(ctr);",
-                      f"      if (atomicAdd(c + g0 + {last}, 1) == {n} - 1 && j == {nlayers - 1}) {{",
-                      f"        for (int i = 0; i < {LAYER_GROUPS * nlayers}; ++i) c[i] = 0;", "      }", "    }",
-                      "  }"]
+        else:   # the last layer's last phase: the launch's last block resets the counters
+            reset = _counter_reset(f"g0 + {last}", n, LAYER_GROUPS * nlayers, f" && j == {nlayers - 1}")
+            lines += [f"    {line}" for line in reset] + ["  }"]
         body += lines
     return "\n".join(body) + "\n"
 
@@ -748,14 +748,16 @@ def _as_packed(m):
 # blocks of 2 query heads, was on average faster than 5 launches on the H200 for every model
 # measured (Qwen3-8B 1.03-1.38x in 4 of 4 side-by-side comparisons; Qwen3-4B 0.84-1.38x, mean
 # 1.09x, within the run-to-run noise). Several layers per launch (layer_groups) wins on small layers
-# (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x) and loses on large ones
-# (Qwen3-4B 96M, 8B 184M: ~0.9x), hence the bound. benchmarks/results/cuda_notes.md.
+# (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x); on large ones (Qwen3-4B
+# 96M, 8B 184M) it lost ~10% before layer_loop and, with it, gains nothing measurable (4B: 2, 6 or 36
+# per launch within 2% of one per launch; 8B: within the noise), hence the bound. See
+# benchmarks/results/cuda_notes.md (cuda_host_looped.md).
 GROUP_MAX_WEIGHTS = 64 << 20
 
 
 class FastBlock:
-    """The fused decode path of one decoder block (see the module docstring): one launch (of this
-    and up to 3 following blocks, in the compiled step, where group_layers), or (layer_kernel in
+    """The fused decode path of one decoder block (see the module docstring): one launch (shared
+    with the following blocks in the compiled step, where group_layers), or (layer_kernel in
     `disabled`) the same 5 kernels as 5 launches."""
 
     def __init__(self, block, disabled=()):
@@ -802,7 +804,7 @@ class FastBlock:
         self.group_layers_off = ("layer_kernel disabled" if not self.one_launch else
                                  "disabled" if "layer_groups" in disabled else
                                  f"{self.weights >> 20}M weights per layer > {GROUP_MAX_WEIGHTS >> 20}M: "
-                                 "one layer per launch is faster" if large else None)
+                                 "several per launch measured no faster" if large else None)
         self.group_layers = self.group_layers_off is None
         # query heads per attention block: at most 2 (fewer registers) or all G
         G = self.H // self.HKV
