@@ -2,12 +2,15 @@
 
     python3 benchmarks/cuda_bench.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b,llama-3.2-1b]
         [--bits 4] [--reps 3] [--prompts 512,2048] [--gen 128] [--out benchmarks/results/cuda_bench]
-        [--disable NAMES ...]
+        [--disable NAMES ...] [--loaded]
 
 Copies of each synthetic model (same seed, so the same weights) are built: one stays stock, one
 is patched (MLX_FASTOPS_BACKEND=cuda, the defaults), and per --disable NAMES (repeatable) one more
 is patched with those fusions off (e.g. --disable layer_kernel: 5 launches per layer; --disable
-layer_groups). Each repetition runs every variant (the order rotates between repetitions) through
+layer_groups). With --loaded, two more (stock and patched) are written to a local mlx-lm model
+directory and read back with mlx_lm.load, as a user's checkpoint is: MLX's CUDA backend puts arrays
+that the CPU makes (mx.load's) in managed memory and arrays that GPU kernels make in device memory.
+Each repetition runs every variant (the order rotates between repetitions) through
 mlx_lm.generate.generate_step, mlx-lm's own decode loop (greedy, async_eval pipelining): prompt tok/s = prompt tokens / time to the first token (mlx-lm's
 definition), decode tok/s = (gen - 1) / time from the first to the last token. Reports median and
 spread (min-max), the ratio, greedy agreement of the two runs, and a host/GPU split of one decode
@@ -22,6 +25,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +37,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_fastops
-from mlx_fastops import synthetic_model
+from mlx_fastops import save_synthetic, synthetic_model
 
 
 def source_digest():
@@ -102,9 +106,10 @@ def stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
-def build_variants(name, bits, disables=()):
-    """[(tag, model)]: stock, patched, and per entry of `disables` (comma-separated fusion names)
-    one patched with those off, tagged "without NAMES". Same seed: same weights."""
+def build_variants(name, bits, disables=(), loaded_dir=None):
+    """[(tag, model)]: stock, patched, per entry of `disables` (comma-separated fusion names) one
+    patched with those off, tagged "without NAMES", and with loaded_dir "stock, loaded" and
+    "patched, loaded": the model saved there and read back by mlx_lm.load. Same seed: same weights."""
     variants = [("stock", synthetic_model(name, bits=bits)), ("patched", synthetic_model(name, bits=bits))]
     reports = {"patched": mlx_fastops.patch(variants[1][1])}
     for names in disables:
@@ -112,13 +117,19 @@ def build_variants(name, bits, disables=()):
         tag = f"without {names}"
         reports[tag] = mlx_fastops.patch(m, disable=names)
         variants.append((tag, m))
+    if loaded_dir is not None:
+        path = save_synthetic(name, Path(loaded_dir) / name, bits=bits)
+        variants.append(("stock, loaded", mlx_lm.load(str(path))[0]))
+        m = mlx_lm.load(str(path))[0]
+        reports["patched, loaded"] = mlx_fastops.patch(m)
+        variants.append(("patched, loaded", m))
     return variants, reports
 
 
-def bench_model(name, bits, reps, prompts, gen, log, disables=()):
+def bench_model(name, bits, reps, prompts, gen, log, disables=(), loaded_dir=None):
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     t0 = time.perf_counter()
-    variants, reports = build_variants(name, bits, disables)
+    variants, reports = build_variants(name, bits, disables, loaded_dir)
     log(f"{name}: models built and patched in {time.perf_counter() - t0:.1f}s")
     log(str(reports["patched"]))
     tags = [t for t, _ in variants]
@@ -200,6 +211,8 @@ def main():
     ap.add_argument("--disable", action="append", default=[], metavar="NAMES",
                     help="add a variant patched with these fusions off (comma-separated names of "
                          "mlx_fastops.FUSIONS); may be given more than once")
+    ap.add_argument("--loaded", action="store_true",
+                    help="add stock and patched read back by mlx_lm.load from a saved copy of the model")
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_bench: MLX's CUDA backend is not available here")
@@ -214,9 +227,10 @@ def main():
     log = lambda s: print(s, flush=True)
     log(json.dumps(meta))
     results = []
+    loaded_dir = tempfile.TemporaryDirectory() if a.loaded else None
     for name in a.models.split(","):
         results.append(bench_model(name, a.bits, a.reps, [int(p) for p in a.prompts.split(",")], a.gen, log,
-                                   a.disable))
+                                   a.disable, loaded_dir and loaded_dir.name))
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
