@@ -51,7 +51,7 @@
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
 #ifdef WAIT_INPUTS
-  // A phase of the one-launch layer (attn_prefetch): the chunk's K/V rows of earlier steps do not
+  // A phase of the one-launch layer: the chunk's K/V rows of earlier steps do not
   // depend on the earlier phases (which write only positions off[0] + l), so they are sent on to
   // L2 before the block waits for q. A row written later is still read fresh: L2 is coherent and
   // the rows' loads below come after the wait.

@@ -11,10 +11,10 @@
 // k-step are loaded before the current one is used (two steps in flight), and the first step's
 // weights are loaded before the input-norm prologue, so DRAM latency overlaps the prologue.
 //
-// 4-bit weights to floats (FOLD4): one byte permute per nibble makes f = 0.5 + q/32 (the nibble in
+// 4-bit weights to floats: one byte permute per nibble makes f = 0.5 + q/32 (the nibble in
 // mantissa bits 19-22 under exponent 126); the lane-step's sum x*q = 32 * sum x*f - 16 * sum x uses
-// the x-sum the bias term needs anyway (a 1-bit cancellation at most). Without FOLD4 a nibble is
-// 2^23 + q minus 2^23: one more instruction per weight, of about 3.
+// the x-sum the bias term needs anyway (a 1-bit cancellation at most), one instruction per weight
+// fewer than 2^23 + q minus 2^23 (how 8-bit weights become floats).
 //
 // Optional input RMSNorm (HAS_NORM): x <- T(T(x * rsqrt(mean(x^2) + eps)) * nw), exactly the
 // rounding points of mx.fast.rms_norm, computed per block (every block reads all of x anyway).
@@ -46,7 +46,7 @@
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
-// NW, VEC, EPI, FOLD4, XK, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for
+// NW, VEC, EPI, XK, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -114,7 +114,7 @@
   };
 #endif
 #ifdef WAIT_INPUTS
-  // A phase of the one-launch layer (layer_prefetch): the weights do not depend on the
+  // A phase of the one-launch layer: the weights do not depend on the
   // earlier phases, so this warp's rows (and their scales/biases) are sent on to L2 before the
   // block waits for its inputs. Nothing above reads x, res or any earlier phase's output.
   prefetch_rows(wrow);
@@ -320,7 +320,7 @@
         }
       }
 #endif
-      // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (FOLD4 above)
+      // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (see the top)
 #pragma unroll
       for (int r = 0; r < RR; ++r) {
         float d[M];
@@ -330,21 +330,12 @@
         for (int v = 0; v < VEC; ++v) {
           const uint32_t wd = cw[r][v];
           if constexpr (BITS == 4) {
-#if FOLD4
             const uint32_t lo = (wd << 3) & 0x78787878u;   // even elements, at bits 3-6 of each byte
             const uint32_t hi = (wd >> 1) & 0x78787878u;   // odd elements
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               const float q0 = __int_as_float(__byte_perm(lo, 0x3F000000u, 0x7044 + (j << 8)));
               const float q1 = __int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044 + (j << 8)));
-#else
-            const uint32_t lo = wd & 0x0F0F0F0Fu;
-            const uint32_t hi = (wd >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float q0 = __int_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + j)) - 8388608.f;
-              const float q1 = __int_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + j)) - 8388608.f;
-#endif
 #pragma unroll
               for (int m = 0; m < M; ++m) {
                 d[m] = fmaf(xf[m][v * 8 + 2 * j], q0, d[m]);
@@ -362,7 +353,7 @@
         }
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          const float dq = (FOLD4 && BITS == 4) ? fmaf(32.f, d[m], -16.f * sx[m]) : d[m];
+          const float dq = (BITS == 4) ? fmaf(32.f, d[m], -16.f * sx[m]) : d[m];
           acc[r][m] += cs[r] * dq + cb[r] * sx[m];
         }
       }

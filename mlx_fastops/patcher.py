@@ -1,32 +1,24 @@
 """patch(model) / unpatch(model): swap an mlx-lm model's modules for fused ones, in place.
 
-The recipe of each family (patches/<family>.json) names the attributes that hold q/k/v/o,
-gate/up/down, norms and RoPE. Families are recognised by the Python module of the model's layer
-classes (mistral checkpoints load as mlx_lm.models.llama), not by config strings.
+The recipe of each family (patches/<family>.json, format in mlx_fastops.families) names the
+attributes that hold q/k/v/o, gate/up/down, norms and RoPE. A model's family is the recipe whose
+modules (mlx_lm.models.<family> and the recipe's aliases) hold its layer classes: mistral
+checkpoints load as mlx_lm.models.llama and are patched as llama; config strings are not read.
+MLX_FASTOPS_RECIPES adds directories of recipes (os.pathsep-separated) to the package's patches/.
 """
 
-import json
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import config, ops
-from .kernels import data_dir
+from .families import RECIPES_ENV, recipes
 from .modules import FusedAttention, FusedBlock, FusedMLP, head_class
 from .ops.weights import PackedLinear, RopeSpec
 
 _STATE = "_mlx_fastops_state"
 _PARKED = "_mlx_fastops_parked"
-
-
-def recipes():
-    """All family recipes, keyed by family name."""
-    out = {}
-    for path in sorted(data_dir("patches").glob("*.json")):
-        recipe = json.loads(path.read_text())
-        out[recipe["family"]] = recipe
-    return out
 
 
 @dataclass
@@ -95,8 +87,8 @@ def _family(model):
         if module in recipe["modules"]:
             return recipe
     model_type = getattr(model, "model_type", module)
-    raise ValueError(f"unsupported model family {model_type!r} ({module}); "
-                     f"mlx_fastops supports {sorted(known)} (mistral loads as llama)")
+    raise ValueError(f"unsupported model family {model_type!r} ({module}): mlx_fastops has recipes for "
+                     f"{sorted(known)}; add one as <family>.json in a directory named by {RECIPES_ENV}")
 
 
 class _Patcher:
@@ -110,6 +102,10 @@ class _Patcher:
         if fusion not in self.recipe["fusions"]:
             return f"not in the {self.recipe['family']} recipe"
         return None
+
+    def switched_off(self):
+        """Every fusion name that is off for this patch (disabled or not in the recipe)."""
+        return {f for f in config.FUSIONS if self.off(f)}
 
     def select(self, where, fusion, op, **info):
         """The op function for `fusion` (its backend recorded in the report); None if off."""
@@ -185,27 +181,20 @@ class _Patcher:
         return fb
 
     def fast_block(self, where, fb):
-        """A backend's whole-block decode path (CUDA: one launch per block), if it has one."""
-        hook = None if self.backend == "reference" else getattr(ops.backend_module(self.backend), "fast_block", None)
-        if hook is None:
+        """The backend's whole-block decode path for this block, if it has one (DecodePath.block)."""
+        path = ops.backend_module(self.backend).DECODE_PATH
+        if path is None:
             return
-        if "fast_decode" in self.disabled:
-            self.skip(where, "fast_decode", "disabled")
+        reason = self.off("fast_decode")
+        if reason:
+            self.skip(where, "fast_decode", reason)
             return
-        fn, reason = hook(fb, disabled=self.disabled)
-        if fn is None:
+        fast, reason = path.block(fb, self.switched_off())
+        if fast is None:
             self.skip(where, "fast_decode", reason)
         else:
-            object.__setattr__(fb, "fast_fn", fn)
+            object.__setattr__(fb, "fast_fn", fast)
             self.report.add(where, "fast_decode", "fused", self.backend)
-            if fn.one_launch:
-                self.report.add(where, "layer_kernel", "fused", self.backend)
-            else:
-                self.skip(where, "layer_kernel", "disabled")
-            if fn.group_layers:
-                self.report.add(where, "layer_groups", "fused", self.backend)
-            else:
-                self.skip(where, "layer_groups", fn.group_layers_off)
 
     def head(self, model):
         """Returns (object, original class) for the class swap, or None."""
@@ -246,56 +235,30 @@ def patch(model, disable=()):
     p = _Patcher(recipe, backend, disabled, report)
     layers = _decoder_layers(model)
     originals = list(layers)
-    with config.disabling(disabled):
-        for i, block in enumerate(originals):
-            layers[i] = p.block(f"layers.{i}", block)
-        head = p.head(model)
-    # Backend decode fast path (CUDA): its cache class and its compiled whole decode step.
-    cache_hook = _install_cache(model, backend, layers)
-    step = _install_step(model, backend, layers, disabled, report) if cache_hook else None
+    for i, block in enumerate(originals):
+        layers[i] = p.block(f"layers.{i}", block)
+    head = p.head(model)
+    decode = _install_decode_path(model, backend, layers, p.switched_off(), report)
     mx.eval(model.parameters())
     fused = list(layers)
     object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head,
-                                       "fused": fused, "key": key,
-                                       "cache_hook": cache_hook, "step": step})
+                                       "fused": fused, "key": key, "decode": decode})
     # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
     _warm_up(model, backend)
     return report
 
 
-def _install_cache(model, backend, layers):
-    """Backends with a fast decode path get their cache class from make_prompt_cache: set
-    model.make_cache (instance attribute) when every stock cache would be a plain KVCache."""
-    if not any(getattr(b, "fast_fn", None) is not None for b in layers):
-        return False
-    mod = ops.backend_module(backend)
-    make = getattr(mod, "make_cache", None)
-    if make is None:
-        return False
-    if hasattr(model, "make_cache"):
-        from mlx_lm.models.cache import KVCache
-        if any(type(c) is not KVCache for c in model.make_cache()):
-            return False
-    fn = lambda: make(model)
-    object.__setattr__(model, "make_cache", fn)
-    return fn
-
-
-def _install_step(model, backend, layers, disabled, report):
-    """A backend's compiled whole decode step (CUDA), if it has one; returns the undo state."""
-    mod = ops.backend_module(backend)
-    hook = getattr(mod, "fast_model", None)
-    if hook is None:
+def _install_decode_path(model, backend, layers, disabled, report):
+    """The backend's whole-model decode path (DecodePath.install) once its blocks are fused;
+    returns what unpatch removes, or None."""
+    path = ops.backend_module(backend).DECODE_PATH
+    fasts = [b.fast_fn for b in layers]
+    if path is None or not any(fasts):
         return None
-    if "compile" in disabled:
-        report.add("model", "compile", "skipped", reason="disabled")
-        return None
-    done, reason = hook(model, list(layers))
-    if done is None:
-        report.add("model", "compile", "skipped", reason=reason)
-        return None
-    report.add("model", "compile", "fused", backend)
-    return done  # (inner model object, stock class, fast class)
+    installed, rows = path.install(model, fasts, disabled)
+    for fusion, status, note in rows:
+        report.add("model", fusion, status, backend if status == "fused" else "", note)
+    return installed
 
 
 def _warm_up(model, backend):
@@ -316,11 +279,8 @@ def unpatch(model):
     layers = _decoder_layers(model)
     for i, block in enumerate(state["layers"]):
         layers[i] = block
-    if state.get("cache_hook"):
-        model.__dict__.pop("make_cache", None)
-    if state.get("step"):
-        obj, original, _ = state["step"]
-        obj.__class__ = original
+    if state["decode"] is not None:
+        state["decode"].remove()
     if state["head"] is not None:
         obj, original = state["head"]
         state["head_fn"] = obj.__dict__.pop("_fastops_head_fn")
@@ -337,11 +297,8 @@ def _swap_in(model, state):
         obj, original = state["head"]
         obj.__class__ = head_class(original)
         object.__setattr__(obj, "_fastops_head_fn", state.pop("head_fn"))
-    if state.get("cache_hook"):
-        object.__setattr__(model, "make_cache", state["cache_hook"])
-    if state.get("step"):
-        obj, _, fast_cls = state["step"]
-        obj.__class__ = fast_cls
+    if state["decode"] is not None:
+        state["decode"].restore()
     object.__setattr__(model, _STATE, state)
 
 

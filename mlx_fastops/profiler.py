@@ -6,6 +6,8 @@ not recorded. The unsynchronised step time and the host time to build one step's
 reported beside the table, so the op sum can be compared with the real step.
 """
 
+import importlib
+import importlib.util
 import json
 import time
 from collections import defaultdict
@@ -17,6 +19,7 @@ from mlx_lm.models import cache as cache_mod
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import modules as fused_modules
+from .families import recipes
 
 # Stock leaf modules timed at class level (their __call__ is looked up on the type).
 _LEAF_CLASSES = (nn.Linear, nn.QuantizedLinear, nn.RMSNorm, nn.RoPE, nn.Embedding,
@@ -111,16 +114,27 @@ def instrument(model, prof):
 
 
 def _function_targets():
-    import importlib
-
+    """(owner, attribute, op name) of the functions to time: the stock attention core and SwiGLU
+    as each family's module (see mlx_fastops.families) calls them, and the KV cache write."""
     out = [(fused_modules, "stock_sdpa", "sdpa")]
-    for family in ("qwen3", "llama", "qwen2"):
-        m = importlib.import_module(f"mlx_lm.models.{family}")
-        out.append((m, "scaled_dot_product_attention", "sdpa"))
-        if hasattr(m, "swiglu"):
-            out.append((m, "swiglu", "swiglu"))
+    for recipe in recipes().values():
+        for name in recipe["modules"]:
+            if not _importable(name):
+                continue  # an alias into a package that is not installed, or a module this mlx-lm lacks
+            m = importlib.import_module(name)
+            if hasattr(m, "scaled_dot_product_attention"):
+                out.append((m, "scaled_dot_product_attention", "sdpa"))
+            if hasattr(m, "swiglu"):
+                out.append((m, "swiglu", "swiglu"))
     out.append((cache_mod.KVCache, "update_and_fetch", "kv_cache_update"))
     return out
+
+
+def _importable(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
 
 
 def profile(model, prompt_len=32, tokens=16, warmup=4):

@@ -19,7 +19,10 @@ import tempfile
 
 import mlx.core as mx
 
-from mlx_fastops.backends import cuda as C
+from mlx_fastops.backends.cuda import attention as A
+from mlx_fastops.backends.cuda import gemv as G
+from mlx_fastops.backends.cuda import layer
+from mlx_fastops.backends.cuda.source import CTYPE, source
 
 PRE = r"""
 #include <cuda_bf16.h>
@@ -83,37 +86,35 @@ def nvrtc_ptx(src, name):
 
 
 def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
-    T = C._CTYPE[dtype]
-    vec, R, nw = C.gemv_config(M, K, N, bits, epi)
-    d = C.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, 1e-6 if norm else None, bias, head,
-                       C.x_stage(M, K, dtype))
-    src = C.source("gemv.cu", d, dtype)
+    T = CTYPE[dtype]
+    vec, R, nw = G.gemv_config(M, K, N, bits, epi)
+    d = G.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, 1e-6 if norm else None, bias, head,
+                       G.x_stage(M, K, dtype))
+    src = source("gemv.cu", d, dtype)
     types = {"x": T, "w": "uint32_t", "sc": T, "bi": T, "nw": T, "bias": T,
              "res": T, "qn": T, "kn": T, "off": "int32_t", "after": T,
              "rf": "float", "kc": T, "vc": T, "cnt": "int32_t"}
-    ins = [(n, types[n]) for n in C.gemv_inputs(norm, bias, res, head)]
+    ins = [(n, types[n]) for n in G.gemv_inputs(norm, bias, res, head)]
     outs = [("yq", T), ("ys", "float")] if epi == 3 else [("y", T)]
     return wrap(f"gemv_e{epi}_m{M}_b{bits}", src, ins, outs), nw * 32
 
 
 def attn_case(dtype, L, H, HKV, D):
-    T = C._CTYPE[dtype]
-    src = C.source("attention.cu", C.attn_defines(L, H, HKV, D, 0.0883883), dtype)
+    T = CTYPE[dtype]
+    src = source("attention.cu", A.attn_defines(L, H, HKV, D, 0.0883883), dtype)
     ins = [("q", T), ("kc", T), ("vc", T), ("off", "int32_t"), ("cnt", "int32_t")]
     outs = [("o", T), ("pm", "float"), ("po", "float")]
-    return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), C.ATTN_WARPS * 32
+    return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), A.ATTN_WARPS * 32
 
 
-def layer_case(M, head, nsplit, shapes, bias=False, prefetch=False, gb=None, nlayers=1, stamps=False, one_wave=False,
-               stream=False, loop=False):
-    """The one-launch decoder layer(s) (C._layer_build), captured instead of built; with prefetch,
-    load polling and attn_prefetch too (the defaults); loop: layer_loop."""
+def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
+    """The one-launch decoder layer(s) (layer.layer_build), captured instead of built."""
     from mlx_fastops import kernels
+    gb = A.head_subgroup(head["H"] // head["HKV"])
     with kernels.use_cuda_factory(lambda **kw: kw):
-        kw, _, _ = C._layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit, 0.088,
-                                  gb, prefetch, prefetch, nlayers, stamps, one_wave=one_wave, stream=stream,
-                                  attn_prefetch=prefetch, loop=loop)
-    T = C._CTYPE[mx.bfloat16]
+        kw, _, _ = layer.layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit,
+                                     0.088, gb, nlayers, stamps)
+    T = CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
         "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") else ("float" if base(n) == "rf" else T))
@@ -127,42 +128,29 @@ def cases():
     q06 = dict(D=128, H=16, HKV=8, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
                log2_base=19.93, scale=1.0)
     shapes06 = ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072))
-    for M in (1, 2):
-        yield f"layer qwen3-0.6b M{M}", layer_case(M, {**q06, "L": 1}, 33, shapes06)
-        yield f"layer qwen3-0.6b M{M} prefetch", layer_case(M, {**q06, "L": 1}, 33, shapes06, prefetch=True)
     shapes4b = ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728))
-    yield "layer qwen3-4b M1", layer_case(1, {**q06, "H": 32}, 33, shapes4b)
-    yield "layer qwen3-4b M1 gb2", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2, one_wave=True,
-                                              stream=True)
-    q25 = {**q06, "D": 64, "H": 14, "HKV": 2, "qknorm": False}   # GQA 7: attention blocks of 7 heads
-    yield "layer qwen2.5-0.5b M1", layer_case(1, q25, 33, ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896),
-                                                            (4, 64, 896, 4864)), bias=True, prefetch=True)
     shapes8b = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
-    yield "layer qwen3-4b M1 gb2 stamps", layer_case(1, {**q06, "H": 32}, 33, shapes4b, prefetch=True, gb=2,
-                                                     one_wave=True, stream=True, stamps=True)
-    yield "layer qwen3-8b M1 gb2", layer_case(1, {**q06, "H": 32}, 17, shapes8b, prefetch=True, gb=2, one_wave=True,
-                                              stream=True)
     llama1b = {**q06, "D": 64, "H": 32, "L": 1, "qknorm": False, "freqs": True}
     shapes_l1b = ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192))
-    yield "layer llama-1b M1 gb2", layer_case(1, llama1b, 33, shapes_l1b, prefetch=True, gb=2, one_wave=True, stream=True)
-    yield "layers x4 llama-1b M1 gb2", layer_case(1, llama1b, 33, shapes_l1b, prefetch=True, gb=2, one_wave=True,
-                                                  stream=True, nlayers=4)
-    yield "layers x4 llama-1b M1 gb2 stamps", layer_case(1, llama1b, 33, shapes_l1b, prefetch=True, gb=2,
-                                                         one_wave=True, stream=True, nlayers=4, stamps=True)
-    for n in (4, 16):
-        yield f"layers x{n} llama-1b M1 gb2 loop", layer_case(1, llama1b, 33, shapes_l1b, prefetch=True, gb=2,
-                                                              one_wave=True, stream=True, nlayers=n, loop=True)
-    yield "layers x4 qwen3-0.6b M1", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4)
-    for n, M in ((2, 2), (4, 1), (28, 1)):
-        yield f"layers x{n} qwen3-0.6b M{M} loop", layer_case(M, {**q06, "L": 1}, 33, shapes06, prefetch=True,
-                                                              nlayers=n, loop=True)
-    yield "layers x28 qwen3-0.6b M1 loop stamps", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True,
-                                                              nlayers=28, loop=True, stamps=True)
-    yield "layers x4 qwen3-0.6b M1 stamps", layer_case(1, {**q06, "L": 1}, 33, shapes06, prefetch=True, nlayers=4,
-                                                       stamps=True)
+    q25 = {**q06, "D": 64, "H": 14, "HKV": 2, "qknorm": False}   # GQA 7: attention blocks of 7 heads
+    shapes25 = ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864))
     g8 = {**q06, "H": 64, "HKV": 8}     # GQA 8, D 128: the largest attention phase
-    yield "layer G8 D128 M8", layer_case(8, g8, 4, ((4, 64, 10240, 4096), (4, 64, 4096, 8192),
-                                                    (4, 64, 28672, 4096), (4, 64, 4096, 14336)))
+    shapes_g8 = ((4, 64, 10240, 4096), (4, 64, 4096, 8192), (4, 64, 28672, 4096), (4, 64, 4096, 14336))
+    # (name, M, head, attention splits, shapes, qkv bias, layers per launch, stamps)
+    layers = [("qwen3-0.6b", 1, q06, 33, shapes06, False, 1, False), ("qwen3-0.6b", 2, q06, 33, shapes06, False, 1, False),
+              ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 1, False),
+              ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 1, True),
+              ("qwen3-8b", 1, {**q06, "H": 32}, 17, shapes8b, False, 1, False),
+              ("qwen2.5-0.5b", 1, q25, 33, shapes25, True, 1, False),
+              ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 1, False),
+              ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 4, True),
+              ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 16, False),
+              ("qwen3-0.6b", 2, q06, 33, shapes06, False, 2, False), ("qwen3-0.6b", 1, q06, 33, shapes06, False, 4, False),
+              ("qwen3-0.6b", 1, q06, 33, shapes06, False, 28, False), ("qwen3-0.6b", 1, q06, 33, shapes06, False, 28, True),
+              ("G8 D128", 8, g8, 4, shapes_g8, False, 1, False)]
+    for name, M, head, nsplit, shapes, bias, n, stamps in layers:
+        yield (f"layers x{n} {name} M{M}{' stamps' if stamps else ''}",
+               layer_case(M, head, nsplit, shapes, bias, n, stamps))
     for M in (1, 2, 3, 8):
         for bits in (4, 8):
             yield f"gemv plain M{M} b{bits}", gemv_case(bf, M, 1024, 4096, bits, 64, 0, False, True, False)
@@ -199,7 +187,7 @@ def main():
             info = [l.split("ptxas info    : ")[-1] for l in r.stderr.splitlines() if "registers" in l or "spill" in l]
             regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)]
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
-            # an out-of-line call: NVRTC stopped inlining (a multi-layer launch's phases, see cuda._loop_body)
+            # an out-of-line call: NVRTC stopped inlining (a multi-layer launch's phases, see layer.py)
             calls = len(re.findall(r"^\s*call", ptx, re.M))
             ok = r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not any(spills) and not calls
             print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} calls={calls} {' | '.join(info)[:160]}")

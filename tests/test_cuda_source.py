@@ -3,11 +3,14 @@ to the branch taken (kernels.resolve_conditionals), comments and indentation go
 (kernels.compact_source). MLX hashes a CUDA kernel's whole source at every launch: on the H200's
 host ~0.2 us per KB (benchmarks/results/cuda_host.md)."""
 
+import os
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 
 from mlx_fastops import kernels
-from mlx_fastops.backends import cuda as C
+from mlx_fastops.backends.cuda import layer
 
 SRC = """a
 #if EPI == 0
@@ -71,20 +74,54 @@ def test_compact_source(src, compact):
     assert kernels.compact_source(src) == compact
 
 
-def test_layer_source_size():
-    """The Qwen3-8B one-launch layer as MLX receives it (compacted; 91 KB before these steps)."""
-    head = dict(D=128, H=32, HKV=8, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
-                log2_base=20.0, scale=1.0)
-    shapes = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
+QWEN3_8B = dict(head=dict(D=128, H=32, HKV=8, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
+                          log2_base=20.0, scale=1.0),
+                shapes=((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288)))
+# Small layers (Qwen3-tiny-like: D 64, GQA 2, a qkv bias, llama3 RoPE freqs) for the golden files
+TINY = dict(head=dict(D=64, H=4, HKV=2, L=1, freqs=True, qknorm=True, trad=False, qeps=1e-6, keps=1e-5,
+                      log2_base=0.0, scale=1.0),
+            shapes=((4, 64, 512, 192), (8, 32, 192, 256), (4, 64, 640, 192), (4, 128, 192, 320)))
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def captured_layer(case, M=1, nlayers=1, nsplit=17, bias=False):
+    """What mx.fast.cuda_kernel would receive for layer.layer_build (compacted source and header)."""
     got = {}
 
     def capture(**kw):
         got.update(kw)
         return kw
 
-    with kernels.use_cuda_factory(capture):   # receives what mx.fast.cuda_kernel would
-        C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())), 17, 0.088, 2,
-                       True, True, one_wave=True, stream=True)
+    with kernels.use_cuda_factory(capture):
+        layer.layer_build(mx.bfloat16, M, case["shapes"], 1e-6, 1e-6, bias, tuple(sorted(case["head"].items())),
+                          nsplit, 0.088, 2, nlayers)
+    return got
+
+
+def test_layer_source_size():
+    """The Qwen3-8B one-launch layer as MLX receives it (compacted; 91 KB before these steps)."""
+    got = captured_layer(QWEN3_8B)
     size = len(got["header"]) + len(got["source"])
     assert "//" not in got["header"] and "#if EPI" not in got["header"]
     assert size < 40_000, size
+
+
+def generated_part(kw):
+    """The generated text of a layer launch: its inputs, outputs, dispatch body, and the phase
+    signatures and defines in the header (the phase bodies are cuda/*.cu, checked by their tests)."""
+    made = ("__device__ void layer_", "#define", "#undef", "using T", "namespace")
+    header = [line for line in kw["header"].splitlines() if line.startswith(made)]
+    return "\n".join([f"inputs: {' '.join(kw['input_names'])}", f"outputs: {' '.join(kw['output_names'])}",
+                      f"shared_memory: {kw['shared_memory']}", "---- header (generated lines)", *header,
+                      "---- source", kw["source"]])
+
+
+@pytest.mark.parametrize("name,layers,M,bias", [("layer_x1", 1, 1, True), ("layer_x3", 3, 2, False)])
+def test_generated_layer_source_matches_golden(name, layers, M, bias):
+    """The generated dispatch of the one-launch layer, for one layer and for a 3-layer launch,
+    against a reviewed copy in tests/golden/ (UPDATE_GOLDEN=1 rewrites it after a deliberate change)."""
+    text = generated_part(captured_layer(TINY, M, layers, bias=bias))
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"generated source of {name} changed (diff against {path})"

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlx_fastops.backends.cuda import StaticKVCache
+from mlx_fastops.backends.cuda.cache import StaticKVCache
 
 
 @pytest.mark.parametrize("steps", [(5, 1, 1, 300), (1024, 1), (1023, 2, 1)])

@@ -8,6 +8,8 @@ import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+DECODE_PATH = None   # no whole-model decode path (mlx_fastops.backends.DecodePath)
+
 
 def linear(x, w):
     """x @ W^T (+ bias) for a PackedLinear, exactly as nn.Linear / nn.QuantizedLinear compute it."""

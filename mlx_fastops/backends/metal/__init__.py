@@ -26,3 +26,5 @@ from .norm_rope import (  # noqa: F401
     unsupported_qk_norm_rope,
     unsupported_rms_norm_residual,
 )
+
+DECODE_PATH = None   # no whole-model decode path (mlx_fastops.backends.DecodePath)

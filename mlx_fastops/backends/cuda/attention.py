@@ -1,0 +1,106 @@
+"""GQA decode attention over the KV cache buffers (cuda/attention.cu), split over the sequence.
+
+    o[b, l, h] = sum_s softmax_s(q[b, l, h] . k[b, h / G, s] * scale) v[b, h / G, s],
+    s <= off + l (causal over this step's L new tokens, which sit at off .. off + L - 1)
+
+Each (b, l, kv head, head subgroup) row is split into chunks of at least ATTN_MINCH positions,
+one block each; the last block of a row to finish (a ticket) merges the partial softmaxes.
+The cache is read in place through its strides (mlx-lm's KVCache buffers, with room to grow).
+"""
+
+import mlx.core as mx
+
+from ...kernels import cached_builder, cuda_kernel
+from .source import HALF, OFF_WORDS, kernel_name, offset_array, source
+
+ATTN_WARPS = 4        # warps per attention block
+ATTN_MINCH = 16       # fewest positions per split
+ATTN_MAX_SPLITS = 64  # the merge's shared weights table (MAXSPLIT in attention.cu)
+ATTN_TARGET_BLOCKS = 264   # two blocks per SM on the H200's 132 SMs
+MAX_GQA = 8    # query heads per kv head held in registers by the attention kernel
+LOG2E = 1.4426950408889634
+
+
+def attn_splits(S, rows):
+    """Splits per (b, l, kv head): enough blocks to fill the GPU, no more than the cache can use."""
+    want = -(-ATTN_TARGET_BLOCKS // rows)
+    return max(1, min(want, ATTN_MAX_SPLITS, -(-S // ATTN_MINCH)))
+
+
+def attn_partials(rows, S, G, gb, D):
+    """(splits, shapes of the partials pm and po) of an attention launch over `rows` (b, l, kv head)
+    triples, each split further into G / gb head subgroups, over cache buffers of S slots."""
+    nsplit = attn_splits(S, rows * G // gb)
+    return nsplit, [(rows, nsplit, G, 2), (rows, nsplit, G, D)]
+
+
+def attn_defines(L, H, HKV, D, scale, gb=None):
+    """gb: query heads per block (a divisor of G = H / HKV; default G)."""
+    G = H // HKV
+    return dict(L=L, H=H, HKV=HKV, D=D, G=G, GB=gb or G, NW=ATTN_WARPS, MINCH=ATTN_MINCH,
+                SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
+
+
+def head_subgroup(G):
+    """Query heads per attention block in the one-launch layer: 2 where G is even (fewer registers;
+    the K/V chunk is read once per pair of heads), else all G."""
+    return 2 if G % 2 == 0 else G
+
+
+@cached_builder
+def _attn_kernel(dtype, L, H, HKV, D, scale, gb):
+    src = source("attention.cu", attn_defines(L, H, HKV, D, scale, gb), dtype)
+    return cuda_kernel(name=kernel_name("attn", src), input_names=["q", "kc", "vc", "off", "cnt"],
+                       output_names=["o", "pm", "po"], source=src, ensure_row_contiguous=False)
+
+
+def attention(q, kc, vc, off, scale, cnt=None, gb=None):
+    """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] cache buffers (read by strides; last axis
+    contiguous), off int32[OFF_WORDS] (positions before this step in [0]) -> [B, L, H, D].
+    cnt: int32 tickets, at least B*L*H, all zero (left zero). gb: query heads per block."""
+    B, L, H, D = q.shape
+    HKV, S = kc.shape[1], kc.shape[2]
+    G = H // HKV
+    gb = gb or G
+    rows = B * L * HKV
+    if cnt is None:
+        # Calls from unrelated places may run concurrently in one CUDA graph: fresh tickets each
+        # (a tiny fill kernel that the attention waits for).
+        cnt = mx.zeros((max(rows * G // gb, 4),), dtype=mx.int32)
+    kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale), gb)
+    nsplit, partials = attn_partials(rows, S, G, gb, D)
+    o, _, _ = kern(inputs=[q, kc, vc, off, cnt], output_shapes=[(B, L, H, D), *partials],
+                   output_dtypes=[q.dtype, mx.float32, mx.float32],
+                   grid=(nsplit * ATTN_WARPS * 32, HKV * G // gb, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
+    return o
+
+
+def unsupported_decode_attention(head_dim=None, gqa=None, dtype=None, **_):
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim}"
+    if gqa is None or not 1 <= gqa <= MAX_GQA:
+        return f"GQA group {gqa} (1-{MAX_GQA})"
+    if dtype is not None and dtype not in HALF:
+        return f"dtype {dtype}"
+    return None
+
+
+def _ref():
+    from .. import reference
+    return reference
+
+
+def decode_attention(q, k_cache, v_cache, length, scale):
+    B, H, L, D = q.shape
+    if (L != 1 or q.dtype not in HALF or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+            or v_cache.shape != k_cache.shape
+            or unsupported_decode_attention(D, H // k_cache.shape[1])):
+        return _ref().decode_attention(q, k_cache, v_cache, length, scale)
+    if isinstance(length, mx.array):
+        off = mx.pad((length.reshape(1) - 1).astype(mx.int32), (0, OFF_WORDS - 1))
+    else:
+        if not 0 < int(length) <= k_cache.shape[2]:
+            raise ValueError(f"decode_attention: length {length} outside the cache (1..{k_cache.shape[2]})")
+        off = offset_array(int(length) - 1)
+    q4 = mx.contiguous(q).reshape(B, 1, H, D)
+    return attention(q4, k_cache, v_cache, off, scale).reshape(B, H, 1, D)

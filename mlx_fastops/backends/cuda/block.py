@@ -1,0 +1,146 @@
+"""FastBlock: one decoder block's fused decode path (layer.py's launch over a StaticKVCache)."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .attention import MAX_GQA, head_subgroup
+from .cache import StaticKVCache
+from .layer import LAYER_GROUPS, layers_launch
+from .source import HALF, MAX_ROWS, offset_array, tickets
+
+# Several layers per launch (step.launch_runs) win on small layers (Qwen3-0.6B 15M weights per
+# layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the H200) and measured no faster on
+# large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound.
+GROUP_MAX_WEIGHTS = 64 << 20
+
+
+def _quant_ok(m):
+    return (isinstance(m, nn.QuantizedLinear) and getattr(m, "mode", "affine") == "affine"
+            and m.bits in (4, 8) and m.group_size in (32, 64, 128) and "bias" not in m)
+
+
+def _as_packed(m):
+    from ...ops.weights import PackedLinear
+    K = m.weight.shape[1] * 32 // m.bits
+    return PackedLinear(m.weight, m.scales, m.biases, None, (m.weight.shape[0],), K, m.bits, m.group_size)
+
+
+class FastBlock:
+    """The fused decode path of one FusedBlock: for B * L <= MAX_ROWS rows over a StaticKVCache,
+    the block as one launch (shared with the following blocks in the compiled step, where
+    `grouped`); else None, and the FusedBlock takes its composed path."""
+
+    cache_type = StaticKVCache
+
+    def __init__(self, block):
+        attn, mlp = block._attention, block._mlp
+        self.qkv = attn.qkv_weights
+        self.gate_up = mlp.gate_up_weights
+        self.o = _as_packed(attn._o)
+        self.down = _as_packed(mlp._down)
+        self.H, self.HKV = attn.n_heads, attn.n_kv_heads
+        self.D = self.qkv.splits[0] // self.H
+        self.scale = float(attn.scale)
+        self.dtype = self.qkv.scales.dtype
+        self.in_norm = (block._input_norm.weight, float(block._input_norm.eps))
+        self.post_norm = (block._post_norm.weight, float(block._post_norm.eps))
+        rope = attn.rope_spec
+        self.qknorm = attn.has_qk_norm
+        self.qk = [attn._q_norm.weight, attn._k_norm.weight] if self.qknorm else []
+        self.rf = [rope.freqs.astype(mx.float32)] if rope.freqs is not None else []
+        base = rope.base if rope.base is not None else 1.0
+        self.head = (("D", self.D), ("H", self.H), ("HKV", self.HKV), ("freqs", bool(self.rf)),
+                     ("keps", float(attn._k_norm.eps) if self.qknorm else 0.0),
+                     ("log2_base", math.log2(base)), ("qeps", float(attn._q_norm.eps) if self.qknorm else 0.0),
+                     ("qknorm", self.qknorm), ("scale", float(rope.scale)), ("trad", bool(rope.traditional)))
+        self.K = self.qkv.in_features
+        # this block's own tickets (head kernel: one per q/k/v head; attention: per row, kv head
+        # and head subgroup)
+        self.head_tickets = tickets(self.H + 2 * self.HKV)
+        self.attn_tickets = tickets(MAX_ROWS * self.H)
+        self._counters = {}   # layer launches' group counters, per layers per launch
+        self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
+        self.gb = head_subgroup(self.H // self.HKV)   # query heads per attention block
+        self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
+        mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
+
+    @staticmethod
+    def unsupported(block):
+        """Why a FusedBlock cannot take the fast path, or None."""
+        attn, mlp = block._attention, block._mlp
+        qkv = getattr(attn, "qkv_weights", None)
+        gu = getattr(mlp, "gate_up_weights", None)
+        rope = getattr(attn, "rope_spec", None)
+        if qkv is None or not qkv.quantized:
+            return "QKV not fused / not quantised"
+        if gu is None or not gu.quantized:
+            return "gate/up not fused / not quantised"
+        if not (_quant_ok(attn._o) and _quant_ok(mlp._down)):
+            return "o_proj/down_proj not affine 4/8-bit without bias"
+        if rope is None:
+            return "RoPE variant"
+        D = qkv.splits[0] // attn.n_heads
+        if rope.dims != D:
+            return f"partial rotary ({rope.dims} of {D})"
+        if D not in (64, 128, 256):
+            return f"head_dim {D}"
+        if attn.n_heads % attn.n_kv_heads or not 1 <= attn.n_heads // attn.n_kv_heads <= MAX_GQA:
+            return f"GQA group {attn.n_heads / attn.n_kv_heads:g} (1-{MAX_GQA})"
+        if qkv.scales.dtype not in HALF:
+            return f"dtype {qkv.scales.dtype}"
+        if type(block._input_norm) is not nn.RMSNorm or type(block._post_norm) is not nn.RMSNorm:
+            return "norm type"
+        for w in (qkv, gu):
+            if w.in_features % 32:
+                return "in_features not a multiple of 32"
+        return None
+
+    def supports(self, x):
+        B, L, _ = x.shape
+        return B * L <= MAX_ROWS and x.dtype == self.dtype
+
+    def core(self, x, off, kc, vc, after):
+        """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]) -> (block
+        output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
+        into kc/vc in place, after the kernel that output `after` (the previous reader)."""
+        return layers_launch([self], x, off, [(kc, vc, after)])
+
+    def layer_counters(self, nlayers):
+        """Zeroed group counters of a launch of nlayers layers led by this block (left zero)."""
+        c = self._counters.get(nlayers)
+        if c is None:
+            c = self._counters[nlayers] = tickets(LAYER_GROUPS * nlayers)
+        return c
+
+    def layer_arrays(self, j, kc, vc, after):
+        """This block's inputs of a layer launch, as layer j (names of layer.layer_build)."""
+        qkv, o, gu, dn = self.qkv, self.o, self.gate_up, self.down
+        a = {"qkv_w": qkv.weight, "qkv_sc": qkv.scales, "qkv_bi": qkv.biases, "in_nw": self.in_norm[0],
+             "kc": kc, "vc": vc, "after": after, "o_w": o.weight, "o_sc": o.scales, "o_bi": o.biases,
+             "gu_w": gu.weight, "gu_sc": gu.scales, "gu_bi": gu.biases, "post_nw": self.post_norm[0],
+             "dn_w": dn.weight, "dn_sc": dn.scales, "dn_bi": dn.biases}
+        if qkv.bias is not None:
+            a["qkv_bias"] = qkv.bias
+        if self.qknorm:
+            a["qn"], a["kn"] = self.qk
+        if self.rf:
+            a["rf"] = self.rf[0]
+        return {f"{k}{j}": v for k, v in a.items()}
+
+    def launch_key(self):
+        """What must agree for blocks to share a launch (everything but the weights and caches)."""
+        ws = tuple((w.bits, w.group_size, w.out_features, w.in_features, w.bias is not None)
+                   for w in (self.qkv, self.o, self.gate_up, self.down))
+        return (self.dtype, ws, self.in_norm[1], self.post_norm[1], self.head, self.scale, self.gb)
+
+    def __call__(self, x, cache):
+        if not self.supports(x):
+            return None
+        B, L, _ = x.shape
+        prev = cache.offset
+        cache.reserve(B, self.HKV, self.D, x.dtype, prev + L)
+        out, cache.last_reader = self.core(x, offset_array(prev), *cache.fast_inputs())
+        cache.offset = prev + L
+        return out

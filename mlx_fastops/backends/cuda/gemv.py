@@ -1,0 +1,203 @@
+"""Quantised GEMV family for 1-8 activation rows (cuda/gemv.cu): the decode projections.
+
+    y[m, n] = sum_k x[m, k] * (s[n, k / GS] * q[n, k] + b[n, k / GS])     (MLX affine format)
+
+Epilogues (EPI): 0 plain (+ bias), 1 + residual, 2 SiLU(gate) * up, 3 the QKV head (q/k norm, RoPE,
+k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj,
+gate_up_silu and lm_head run EPI 0 / 2; more rows (prefill) go to the reference (stock
+quantized_matmul). Per call the kernel is picked by its static shape class (dtype, rows, bits,
+group size, epilogue); K and N are read from the weight's shape at run time.
+"""
+
+import mlx.core as mx
+
+from ...kernels import cached_builder, cuda_kernel
+from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
+
+# Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
+RESIDENT_BLOCKS = 4 * 132
+ONE_WAVE_MIN_K = 2048   # rows this long take more rows per warp rather than a second wave
+
+
+def lane_elems(bits, vec):
+    """EPW of gemv.cu: the k a lane covers per step (VEC uint32 words of 8 nibbles or 4 bytes)."""
+    return (8 if bits == 4 else 4) * vec
+
+
+def gemv_config(M, K, N, bits, epi, one_wave=False):
+    """(VEC, R, NW): uint32 words per lane load, rows per warp, warps per block.
+
+    Decode GEMVs are latency-bound: few rows per warp and small blocks give many short, parallel
+    chains. Two rows per warp only where there are rows to spare (and always for the head kernel,
+    whose blocks must tile a head), and (one_wave: the phases of the one-launch layer) 2 or 4 where
+    fewer would leave a second wave of blocks with long rows (K >= ONE_WAVE_MIN_K) to run after the
+    first: Qwen3-4B o_proj/down 640 -> 320 blocks, Qwen3-4B/8B QKV 768 -> 384. At most 4 weight rows
+    per warp (gate/up: 2 gate + 2 up), as many as gate/up already holds."""
+    VEC = 4 if M == 1 else (2 if M == 2 else 1)
+    while VEC > 1 and K % lane_elems(bits, VEC):
+        VEC //= 2
+    nout = N // 2 if epi == 2 else N
+    R = 2 if (epi == 3 or nout >= 4096) else 1
+    rmax = 2 if epi == 2 else 4
+    while one_wave and R < rmax and K >= ONE_WAVE_MIN_K and gemv_blocks(N, epi, R, 4) > RESIDENT_BLOCKS:
+        R *= 2   # the head kernel's blocks still tile a head: 4 warps x 4 rows divide D = 64/128/256
+    return VEC, R, 4
+
+
+# A GEMV stages x as floats in shared memory (gemv.cu, XK) up to this many (16 KB per block; the
+# staging registers hold 32 elements per thread): Qwen3-8B's hidden size at batch 1, Qwen3-0.6B's
+# up to 4 rows.
+STAGE_MAX_FLOATS = 4096
+
+
+def stream_blocks(nb):
+    """Blocks launched for a phase of the one-launch layer with nb row groups, each running
+    ceil(nb / blocks) of them in turn (gemv.cu, STREAM): one wave of equal shares where nb would
+    leave later waves (Qwen3-8B gate/up 1536 -> 512 blocks of 3, 4B 1216 -> 406)."""
+    if nb <= RESIDENT_BLOCKS:
+        return nb
+    per = -(-nb // RESIDENT_BLOCKS)
+    return -(-nb // per)
+
+
+def x_stage(M, K, dtype, room=True):
+    """XK of gemv.cu: K when a GEMV stages its x (half types, where it fits and the launch has
+    shared memory to spare: `room`), else 0."""
+    return K if room and dtype in HALF and M * K <= STAGE_MAX_FLOATS else 0
+
+
+def x_stage_bytes(M, bits, vec, xk):
+    """Dynamic shared memory of a GEMV that stages x (xk = K): M*K floats and one sum per lane-step."""
+    return 4 * M * (xk + xk // lane_elems(bits, vec)) if xk else 0
+
+
+def gemv_inputs(norm, bias, res, head=None):
+    names = ["x", "w", "sc", "bi"]
+    if norm:
+        names += ["nw"]
+    if bias:
+        names += ["bias"]
+    if res:
+        names += ["res"]
+    if head is not None:
+        if head["qknorm"]:
+            names += ["qn", "kn"]
+        names += ["off"] + (["rf"] if head["freqs"] else []) + ["kc", "vc", "cnt", "after"]
+    return names
+
+
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, xk=0, stream=0):
+    """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
+    eps: the folded input RMSNorm's epsilon (None: no norm); xk: x_stage's K or 0; stream: STREAM
+    (blocks running row groups in turn; 0: one group each)."""
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, XK=xk, HAS_NORM=eps is not None,
+             HAS_BIAS=bias, STREAM=stream)
+    if eps is not None:
+        d["EPS"] = flt(eps)
+    if head is not None:
+        d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
+                 QEPS=flt(head["qeps"]), KEPS=flt(head["keps"]), ROPE_TRAD=head["trad"],
+                 ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=flt(head["log2_base"]), ROPE_SCALE=flt(head["scale"]))
+    return d
+
+
+def gemv_outputs(epi):
+    return ["yq", "ys"] if epi == 3 else ["y"]
+
+
+def gemv_blocks(N, epi, R, nw):
+    """Blocks of one GEMV launch: NW warps of R output rows each (gate/up: N/2 output rows)."""
+    nout = N // 2 if epi == 2 else N
+    return -(-nout // (R * nw))
+
+
+@cached_builder
+def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, xk):
+    head = dict(head_items) if head_items else None
+    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head, xk), dtype)
+    return cuda_kernel(name=kernel_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
+                       output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3),
+                       shared_memory=x_stage_bytes(M, bits, vec, xk))
+
+
+def gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items):
+    """(kernel, grid, threadgroup) of a GEMV launched alone, for this call's sizes; eps: folded
+    input RMSNorm or None; head_items: EPI 3's head description (sorted items) or None."""
+    VEC, R, NW = gemv_config(M, K, N, bits, epi)
+    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, x_stage(M, K, dtype))
+    return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
+
+
+def gemv(x2d, w, epi=0, norm=None, res=None):
+    """x2d [M, K] -> y [M, N or N/2] (EPI 0-2); `norm` = (weight, eps float) folds an input RMSNorm,
+    `res` [M, N] is EPI 1's residual."""
+    M, K = x2d.shape
+    N = w.out_features
+    dtype = x2d.dtype
+    bias = w.bias is not None and epi == 0
+    kern, grid, tg = gemv_kernel(dtype, M, K, N, w.bits, w.group_size, epi,
+                                 None if norm is None else float(norm[1]), bias, res is not None, None)
+    inputs = [x2d, w.weight, w.scales, w.biases]
+    if norm is not None:
+        inputs.append(norm[0])
+    if bias:
+        inputs.append(w.bias)
+    if res is not None:
+        inputs.append(res)
+    nout = N // 2 if epi == 2 else N
+    return kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[dtype], grid=grid,
+                threadgroup=tg)[0]
+
+
+def _unsupported_linear(in_features, splits, bits, group_size, dtype, bias, **_):
+    if bits is None:
+        return "float weights (stock matmul is already one GEMM)"
+    if bits not in (4, 8) or group_size not in (32, 64, 128):
+        return f"bits={bits} group_size={group_size}"
+    if dtype not in CTYPE:
+        return f"dtype {dtype}"
+    if in_features % 32:
+        return f"in_features {in_features} not a multiple of 32"
+    return None
+
+
+def unsupported_qkv_proj(**info):
+    return _unsupported_linear(**info)
+
+
+def unsupported_lm_head(**info):
+    return _unsupported_linear(**info)
+
+
+def unsupported_gate_up_silu(**info):
+    return _unsupported_linear(**info) or ("bias on gate/up" if info.get("bias") else None)
+
+
+def _ref():
+    from .. import reference
+    return reference
+
+
+def qkv_proj(x, w):
+    M = rows(x)
+    if M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _ref().qkv_proj(x, w)
+    y = gemv(x.reshape(M, -1), w)
+    nq, nk, nv = w.splits
+    lead = x.shape[:-1]
+    return (y[:, :nq].reshape(*lead, nq), y[:, nq:nq + nk].reshape(*lead, nk),
+            y[:, nq + nk:].reshape(*lead, nv))
+
+
+def gate_up_silu(x, w):
+    M = rows(x)
+    if M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _ref().gate_up_silu(x, w)
+    return gemv(x.reshape(M, -1), w, epi=2).reshape(*x.shape[:-1], w.splits[0])
+
+
+def lm_head(x, w):
+    M = rows(x)
+    if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _ref().lm_head(x, w)
+    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)

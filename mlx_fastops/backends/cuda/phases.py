@@ -1,0 +1,42 @@
+"""Reading the phase stamps of a layer launch (layer.layers_launch(..., stamps=True)).
+
+The stamps are int64 [blocks, 3], one row per block in launch order: its entry and end time
+(%globaltimer, ns) and its SM id. `groups` gives the blocks of each group (layer j, phase p), in
+the same order. benchmarks/cuda_layer_phases.py turns these into per-phase tables.
+"""
+
+import numpy as np
+
+
+def phase_rows(stamps, groups):
+    """Per group: (first entry, ready, p90 end, end) in us from the launch's first entry; ready is
+    the previous group's last end, from which this group's blocks may proceed."""
+    st = np.asarray(stamps, dtype=np.int64)
+    t0 = st[:, 0].min()
+    rows, lo, ready = [], 0, 0.0
+    for n in groups:
+        g = (st[lo:lo + n, :2] - t0) / 1e3
+        end = float(g[:, 1].max())
+        rows.append((float(g[:, 0].min()), ready, float(np.percentile(g[:, 1], 90)), end))
+        ready, lo = end, lo + n
+    return rows
+
+
+def late_blocks(stamps, groups):
+    """Per group: blocks that entered only after one of the group's own blocks had ended, i.e. in
+    a slot that the group itself freed: they did not fit beside the rest (a second wave)."""
+    st = np.asarray(stamps, dtype=np.int64)
+    bounds = np.cumsum([0, *groups])
+    return [int((st[a:b, 0] > st[a:b, 1].min()).sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def residency(stamps):
+    """(most blocks resident at once in the launch, most on one SM, SMs that ran blocks)."""
+    st = np.asarray(stamps, dtype=np.int64)
+
+    def most(rows):   # an end sorts before an entry at the same time: a slot handed on is not two
+        events = sorted([(t, 1) for t in rows[:, 0]] + [(t, -1) for t in rows[:, 1]])
+        return int(np.max(np.cumsum([d for _, d in events])))
+
+    sms = np.unique(st[:, 2])
+    return most(st), max(most(st[st[:, 2] == sm]) for sm in sms), len(sms)
