@@ -1,23 +1,21 @@
 """Per-kernel microbenchmarks on MLX's CUDA backend: achieved GB/s against measured copy bandwidth.
 
-    python3 benchmarks/cuda_kernels.py [--out benchmarks/results/cuda_kernels]
+    python3 benchmarks/cuda_kernels.py [--only TEXT] [--calls 64] [--reps 7] [--wall-only]
+        [--out benchmarks/results/cuda_kernels]
 
 Each case builds a graph of CALLS independent calls (rotating over enough weight copies that the
-working set exceeds the 50 MB L2), evaluates it, and divides. Two times per call: wall (building the
-graph in Python, MLX's encoding of each node (~10 us per node in the decode-step trace), and the
-GPU; for short kernels mostly host cost: Qwen3-0.6B's QKV GEMV took 23 us so, while the fused
-norm+QKV+RoPE kernel took 7 us of GPU time in the decode-step timeline), and GPU: the summed
-durations of the graph's kernels, recorded by CUPTI through torch.profiler (cuda_trace.kernels_of;
-without torch that column is left out). GB/s and speed-ups are of the GPU times where present.
-Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention on cache slices;
-ours = cuda/gemv.cu / cuda/attention.cu. Bytes = weights + scales/biases + x + y (GEMV), K and V
-rows read (attention).
+working set exceeds the 50 MB L2), evaluates it, and divides. Two times per call: wall (Python
+graph building, MLX's encoding of each node and the GPU: for short kernels mostly host cost) and
+GPU (the summed durations of the graph's kernels, recorded by CUPTI through torch.profiler,
+cuda_trace.kernels_of; without torch that column is left out). GB/s and speed-ups are of the GPU
+times where present. Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
+on cache slices; ours = cuda/gemv.cu / cuda/attention.cu. Bytes = weights + scales/biases + x + y
+(GEMV), the K and V rows read (attention). Writes OUT.md and OUT.json.
 """
 
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,10 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
-import mlx_lm
 
-from cuda_bench import source_digest
-from mlx_fastops.backends import cuda as C
+from mlx_fastops.backends.cuda import attention, gemv, source
+from mlx_fastops.bench import machine
 from mlx_fastops.ops.weights import PackedLinear
 
 CALLS = 64
@@ -122,7 +119,7 @@ def gemv_case(label, M, K, N, epi=0, bits=4, norm=False):
         return outs
 
     def ours():
-        return [C.gemv(x, ws[i % copies], epi=epi, norm=(nw, 1e-6) if norm else None) for i in range(CALLS)]
+        return [gemv.gemv(x, ws[i % copies], epi=epi, norm=(nw, 1e-6) if norm else None) for i in range(CALLS)]
 
     return timings(label, stock, ours, wbytes + x.nbytes + M * N * 2, M=M, K=K, N=N, bits=bits)
 
@@ -135,7 +132,7 @@ def attn_case(label, H, HKV, D, length, S=None):
            for _ in range(copies)]
     q = mx.random.normal((B, H, 1, D)).astype(mx.bfloat16)
     mx.eval(q, kvs)
-    off = C.offset_array(length - 1)
+    off = source.offset_array(length - 1)
     q4 = q.reshape(B, 1, H, D)
 
     def stock():
@@ -143,14 +140,14 @@ def attn_case(label, H, HKV, D, length, S=None):
                 for k, v in (kvs[i % copies] for i in range(CALLS))]
 
     def ours():
-        return [C.attention(q4, k, v, off, D ** -0.5) for k, v in (kvs[i % copies] for i in range(CALLS))]
+        return [attention.attention(q4, k, v, off, D ** -0.5) for k, v in (kvs[i % copies] for i in range(CALLS))]
 
     return timings(label, stock, ours, 2 * B * HKV * length * D * 2, H=H, HKV=HKV, D=D, length=length)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/cuda_kernels")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/cuda_kernels", help="writes OUT.md and OUT.json")
     ap.add_argument("--only", default="", help="run the cases whose label contains this")
     ap.add_argument("--calls", type=int, default=64, help="calls per graph (1 for a profiler)")
     ap.add_argument("--reps", type=int, default=7)
@@ -158,6 +155,8 @@ def main():
     a = ap.parse_args()
     global CALLS, REPS, WALL_ONLY
     CALLS, REPS, WALL_ONLY = a.calls, a.reps, a.wall_only
+    if not mx.cuda.is_available():
+        sys.exit("cuda_kernels: MLX's CUDA backend is not available here")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
@@ -182,9 +181,9 @@ def main():
         r = attn_case(*c)
         rows.append(r)
         print(r, flush=True)
-    dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    meta = {"device": dev, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "copy_GBs": bw, "calls_per_graph": CALLS,
-            "reps": REPS, "source": source_digest()}
+    m = machine()
+    meta = {"device": m.get("gpu") or m["device"], "mlx": m["mlx"], "mlx_lm": m["mlx_lm"], "commit": m["commit"],
+            "source": m["sources"], "copy_GBs": bw, "calls_per_graph": CALLS, "reps": REPS}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -196,8 +195,8 @@ def markdown(rows, meta):
     bw = meta["copy_GBs"]
     gpu = all("ours_gpu_us" in r for r in rows)
     key = "gpu" if gpu else "wall"
-    lines = [f"# CUDA kernel microbenchmarks", "", f"device {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; "
-             f"sources {meta['source']}; measured copy bandwidth {bw:.0f} GB/s; {meta['calls_per_graph']} calls per "
+    lines = ["# CUDA kernel microbenchmarks", "", f"device {meta['device']}; mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; "
+             f"commit {meta['commit']} (sources {meta['source']}); measured copy bandwidth {bw:.0f} GB/s; {meta['calls_per_graph']} calls per "
              f"evaluated graph; wall: median of {meta['reps']}" + ("; GPU: summed kernel durations (CUPTI), median of 3"
                                                            if gpu else "") + f". GB/s and speed-up of the {key} times.", "",
              "| case | stock wall us | ours wall us |" + (" stock GPU us | ours GPU us |" if gpu else "") +

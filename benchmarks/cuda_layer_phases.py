@@ -3,14 +3,13 @@ end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
         [--prompt 512] [--reps 20] [--attn-blocks 264,132] [--resident 528,396]
-        [--disable '' --disable NAMES]
-        [--out DIR]
+        [--disable '' --disable NAMES] [--out benchmarks/results/cuda_layer_phases]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
 launches its first n fused layers (n per --layers) as one layer launch with stamps
-(mlx_fastops.backends.cuda.layers_launch(stamps=True)) over a KV cache of --prompt positions,
---reps times. Per group of blocks (layer j, phase p), medians over the reps, in us from the
-launch's first block entry:
+(layer.layers_launch(stamps=True), read by backends/cuda/phases.py) over a KV cache of --prompt
+positions, --reps times after 3 warm-up launches. Per group of blocks (layer j, phase p), medians
+over the reps, in us from the launch's first block entry:
   late:     (most over the reps) blocks that entered only after one of the group's own blocks had
             ended: they were not resident beside the rest (a second wave)
   first in: the group's first block entry (blocks are dispatched in index order)
@@ -18,21 +17,16 @@ launch's first block entry:
   p90 end / end: when 90% / all of the group's blocks had ended
   time:     end - ready, the group's share of the critical path; GB/s = its bytes (weights,
             scales and biases; attention: the K/V rows) / time
-The stamps add a barrier and three stores per block: these are timings of an instrumented
-kernel (on the H200 its total came within 10% of the plain kernel's CUPTI duration in
-cuda_trace.py: 33.4 vs 37.3 us for one Qwen3-0.6B layer, 175.7 vs 178.7 us for four). Its
-registers, hence its blocks per SM, must be the plain launch's (the `stamps` cases of
-tests/cuda_compile_check.py; until 70635c2 the Qwen3-4B and Llama-1B launches took 30+ more and
-held 3 blocks per SM instead of 4): the summary's resident blocks seen show it.
-A launch of one layer re-runs the same layer every rep: weights that fit the 50 MB L2 (Llama-1B 29
-MB, Qwen3-4B 48 MB per layer) may still be there from the previous rep, which decode never sees (on
-the H200: Llama-1B 37.1 us per layer alone vs 50.3 in a launch of 4 distinct layers, gate/up 1510
-vs 1022 GB/s; Qwen3-4B 60.7 vs 72.5): read per-phase figures from launches of several layers.
-One set of tables per --attn-blocks (ATTN_TARGET_BLOCKS, hence the splits of the sequence),
---resident (RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and --disable set
-(patched without those switches, e.g. layer_wide_warps); a summary comes last, with the most
-blocks seen resident at once (from the stamps' entry and end times and SM ids: in the launch, on
-one SM, and how many SMs ran blocks).
+The stamps add a barrier and three stores per block: these are timings of an instrumented kernel,
+whose registers (hence blocks per SM) must be the plain launch's (tests/cuda_compile_check.py);
+the summary's resident blocks seen show it. A launch of one layer re-runs the same layer every
+rep, so weights that fit the 50 MB L2 may still be there from the previous rep, which decode
+never sees: read per-phase figures of small layers from launches of several layers.
+One set of tables per --attn-blocks (attention.ATTN_TARGET_BLOCKS, hence the splits of the
+sequence), --resident (gemv.RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and
+--disable set (fusions of mlx_fastops.FUSIONS patched off); a summary comes last, with the most
+blocks seen resident at once (in the launch, on one SM, and how many SMs ran blocks).
+Writes OUT.md and OUT.json.
 """
 
 import argparse
@@ -44,43 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
-
 PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
-
-
-def phase_rows(stamps, groups):
-    """One launch's stamps (int64 [blocks, 3]: entry, end, SM) and blocks per group -> per group
-    (first in, ready, p90 end, end) in us from the first entry."""
-    st = np.asarray(stamps, dtype=np.int64)
-    t0 = st[:, 0].min()
-    rows, lo, ready = [], 0, 0.0
-    for n in groups:
-        g = (st[lo:lo + n, :2] - t0) / 1e3
-        end = float(g[:, 1].max())
-        rows.append((float(g[:, 0].min()), ready, float(np.percentile(g[:, 1], 90)), end))
-        ready, lo = end, lo + n
-    return rows
-
-
-def late_blocks(stamps, groups):
-    """Per group: blocks that entered only after one of the group's own blocks had ended (a block
-    slot freed by the group itself: they did not fit beside the rest, a second wave)."""
-    st = np.asarray(stamps, dtype=np.int64)
-    bounds = np.cumsum([0, *groups])
-    return [int((st[a:b, 0] > st[a:b, 1].min()).sum()) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def residency(stamps):
-    """(most blocks resident at once in the launch, most on one SM, SMs seen) from the stamps."""
-    st = np.asarray(stamps, dtype=np.int64)
-
-    def most(rows):   # ends sort before entries at the same time: a slot handed on is not two
-        ev = sorted([(t, 1) for t in rows[:, 0]] + [(t, -1) for t in rows[:, 1]], key=lambda e: (e[0], e[1]))
-        return int(np.max(np.cumsum([d for _, d in ev])))
-
-    sms = np.unique(st[:, 2])
-    return most(st), max(most(st[st[:, 2] == sm]) for sm in sms), len(sms)
 
 
 def median_rows(runs):
@@ -98,38 +56,41 @@ def phase_bytes(fb, batch, ctx):
 
 def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1):
     import mlx.core as mx
+    import numpy as np
+
     import mlx_fastops
     from mlx_fastops import kernels, synthetic_model
-    from mlx_fastops.backends import cuda as C
+    from mlx_fastops.backends.cuda import attention, cache, gemv, layer, source
+    from mlx_fastops.backends.cuda.phases import late_blocks, phase_rows, residency
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
     mlx_fastops.patch(model, disable=disable)
-    fbs = [layer.fast_fn for layer in model.model.layers]
+    fbs = [b.fast_fn for b in model.model.layers]
     fb = fbs[0]
-    S = -(-(prompt + 1) // C.StaticKVCache.step) * C.StaticKVCache.step
+    S = -(-(prompt + 1) // cache.StaticKVCache.step) * cache.StaticKVCache.step
     caches = [[mx.random.normal((batch, fb.HKV, S, fb.D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
     x = mx.random.normal((batch, 1, model.args.hidden_size)).astype(mx.bfloat16)
     mx.eval(caches, x)
-    off = C.offset_array(prompt)
+    off = source.offset_array(prompt)
     nbytes = phase_bytes(fb, batch, prompt + 1)
     out = []
-    default_target, default_resident = C.ATTN_TARGET_BLOCKS, C.RESIDENT_BLOCKS
+    default_target, default_resident = attention.ATTN_TARGET_BLOCKS, gemv.RESIDENT_BLOCKS
     try:
         for target, resident, n in [(t, r, n) for t in attn_blocks for r in residents for n in nlayers]:
-            C.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads))
-            if (resident or default_resident) != C.RESIDENT_BLOCKS:
-                C.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
+            attention.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads))
+            if (resident or default_resident) != gemv.RESIDENT_BLOCKS:
+                gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
                 kernels.clear_builders()
-            nsplit = C.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
+            nsplit = attention.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
             bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
             # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
             # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's
-            # outputs, whose first writes would then fault (seen: 96 us instead of 11 for a phase).
+            # outputs, whose first writes would then fault (phases many times their length).
             mx.clear_cache()
             stamped = []
             for r in range(reps + 3):   # 3 warm-up launches
-                _, _, st, groups = C.layers_launch(fbs[:n], x, off, bufs, stamps=True)
+                _, _, st, groups = layer.layers_launch(fbs[:n], x, off, bufs, stamps=True)
                 mx.eval(st)
                 stamped.append(st)
             stamped = [np.array(st) for st in stamped[3:]]
@@ -145,13 +106,13 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
             out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
-                        "resident_blocks_assumed": C.RESIDENT_BLOCKS,
+                        "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
                         "total_us": rows[-1][3], "phases": table})
     finally:
-        C.ATTN_TARGET_BLOCKS = default_target   # the sweep leaves the module as it found it
-        if C.RESIDENT_BLOCKS != default_resident:
-            C.RESIDENT_BLOCKS = default_resident
+        attention.ATTN_TARGET_BLOCKS = default_target   # the sweep leaves the modules as it found them
+        if gemv.RESIDENT_BLOCKS != default_resident:
+            gemv.RESIDENT_BLOCKS = default_resident
             kernels.clear_builders()
     mlx_fastops.unpatch(model)
     return out
@@ -159,7 +120,8 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
 
 def markdown(results, meta):
     lines = ["# One-launch decoder layer: time per phase (instrumented kernel)", "",
-             f"device {meta['device']}; mlx {meta['mlx']}; sources {meta['source']}; median of the reps; "
+             f"device {meta['device']}; mlx {meta['mlx']}; commit {meta.get('commit')} (sources {meta['source']}); "
+             "median of the reps; "
              "us from the launch's first block entry.", ""]
     summary = ["| model | layers per launch | attention splits | disabled | RESIDENT_BLOCKS | instrumented us | "
                "us per layer | resident blocks seen (per SM, SMs) |",
@@ -185,8 +147,8 @@ def markdown(results, meta):
 
 def main():
     import mlx.core as mx
-    import mlx_lm  # noqa: F401
-    from cuda_bench import device_name, source_digest
+
+    from mlx_fastops.bench import machine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
@@ -201,20 +163,21 @@ def main():
     ap.add_argument("--disable", action="append", default=None,
                     help="comma-separated switches (mlx_fastops.FUSIONS) to patch without; repeatable: "
                          "one set of tables each ('' for the defaults)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/cuda_layer_phases", help="writes OUT.md and OUT.json")
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_layer_phases: MLX's CUDA backend is not available here")
-    meta = {"device": device_name(), "mlx": mx.__version__, "source": source_digest()}
+    m = machine()
+    meta = {"device": m.get("gpu") or m["device"], "mlx": m["mlx"], "commit": m["commit"], "source": m["sources"]}
     nlayers = [int(n) for n in a.layers.split(",")]
     targets = [int(t) for t in a.attn_blocks.split(",")]
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
     results = [r for name in a.models.split(",") for d in (a.disable or [""])
                for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents)]
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cuda_layer_phases.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "cuda_layer_phases.md").write_text(markdown(results, meta))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    out.with_suffix(".md").write_text(markdown(results, meta))
     print(markdown(results, meta))
 
 

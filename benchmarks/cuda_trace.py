@@ -1,12 +1,12 @@
 """Kernel timeline of decode steps on MLX CUDA, stock vs patched (CUPTI through torch.profiler).
 
-    python3 benchmarks/cuda_trace.py [--model qwen3-0.6b] [--steps 16] [--out DIR]
+    python3 benchmarks/cuda_trace.py [--model qwen3-0.6b] [--prompt 512] [--steps 16] [--out DIR]
 
 Runs mlx-lm's generate_step (greedy, pipelined) and records every GPU kernel of `--steps` decode
-steps with CUPTI (torch's profiler records all kernels of the process, MLX's included). Prints, per
-variant: GPU-busy time per step (sum of kernel durations), wall time per step, kernels per step, and
-the most expensive kernels (count per step, mean and total us per step). Writes the tables (and the
-Chrome traces) to --out.
+steps after 8 untimed ones with CUPTI (torch's profiler records all kernels of the process, MLX's
+included). Prints, per variant: GPU-busy time per step (sum of kernel durations), wall time per
+step (profiler on), kernels per step, and the most expensive kernels (count per step, mean and
+total us per step). Writes DIR/cuda_trace_MODEL.md and .json.
 """
 
 import argparse
@@ -19,25 +19,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: F401  (CUPTI through kineto)
-from torch.profiler import ProfilerActivity, profile
-
-import mlx.core as mx
-from mlx_lm.generate import generate_step
-
-import mlx_fastops
-from mlx_fastops import synthetic_model
-
 
 def kernels_of(prof):
-    out = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out.append((e.name, e.time_range.start, e.time_range.end))
+    """[(name, start us, end us)] of the profile's GPU kernels, by start."""
+    import torch
+
+    out = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(out, key=lambda r: r[1])
 
 
 def trace(model, prompt, steps, warm=8):
+    import torch
+    from mlx_lm.generate import generate_step
+    from torch.profiler import ProfilerActivity, profile
+
     gen = generate_step(prompt, model, max_tokens=warm + steps + 4)
     for _ in range(warm):
         next(gen)
@@ -72,18 +68,30 @@ def summarise(label, prof, wall_us, steps, top):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--top", type=int, default=14)
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
+    import mlx.core as mx
+
+    if not mx.cuda.is_available():
+        sys.exit("cuda_trace: MLX's CUDA backend is not available here")
+    import torch
+
+    import mlx_fastops
+    from mlx_fastops import bench, synthetic_model
+
     torch.cuda.init()
     os.environ.setdefault("MLX_FASTOPS_BACKEND", "cuda")
     model = synthetic_model(a.model, bits=4)
     prompt = mx.random.randint(0, model.args.vocab_size, (a.prompt,), key=mx.random.key(1))
-    texts, js = [], []
+    m = bench.machine()
+    texts = [f"# Decode kernel timeline: {a.model}, 4-bit\n\n{m.get('gpu') or m['device']}; mlx {m['mlx']}; "
+             f"commit {m['commit']} (sources {m['sources']}); {a.steps} steps after 8 untimed ones.\n"]
+    js = []
     for label in ("stock", "patched"):
         if label == "patched":
             mlx_fastops.patch(model)
@@ -93,8 +101,8 @@ def main():
         texts.append(t)
         js.append(j)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    Path(a.out, f"trace_{a.model}.md").write_text("\n".join(texts))
-    Path(a.out, f"trace_{a.model}.json").write_text(json.dumps(js, indent=1))
+    Path(a.out, f"cuda_trace_{a.model}.md").write_text("\n".join(texts))
+    Path(a.out, f"cuda_trace_{a.model}.json").write_text(json.dumps({"machine": m, "variants": js}, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,12 @@ yet: everything in this repository about these kernels is emulator-verified only
     python benchmarks/metal_gemv.py --kernel qkv --model qwen3-0.6b --rows 1 2 4 --bits 4 8
     python benchmarks/metal_gemv.py --check-only          # outputs vs stock, no timing
 
-Per (kernel, model shape, bits, rows) it times, alternating A/B/C/D each trial after warm-up:
+Per (kernel, model shape, bits, rows) it times, alternating A/B/C each trial after warm-up:
   stock      the calls mlx-lm makes today: qkv = 3 x mx.quantized_matmul; gate_up = 2 x
              quantized_matmul + mlx-lm's compiled swiglu; lm_head = 1 x quantized_matmul
   stacked    the zero-kernel baseline: stacked weights + one quantized_matmul (+ split / swiglu),
-             i.e. mlx_fastops' reference op (what MLX_FASTOPS_DISABLE=<kernel>_kernel runs)
-  prescaled  our kernel, default variant
-  int8       our kernel, int8-activation variant
+             i.e. mlx_fastops' reference op (what MLX_FASTOPS_BACKEND=reference runs)
+  kernel     our kernel (metal/gemv.metal)
 Each sample evaluates `--reps` independent calls (distinct inputs) in one graph and divides, so the
 per-call figure includes dispatch but not a full command-buffer round trip. Reported: median time per
 call (us) with min/max, achieved GB/s (weights + scales/biases + activations + outputs, bytes / time),
@@ -83,8 +82,7 @@ def candidates(kind, layers):
     return w, {
         "stock": stock,
         "stacked": lambda x: ref(x, w),
-        "prescaled": lambda x: ours(x, w, var="prescaled"),
-        "int8": lambda x: ours(x, w, var="int8"),
+        "kernel": lambda x: ours(x, w),
     }
 
 
@@ -151,17 +149,16 @@ def bench_case(kind, model, bits, group, dtype, rows, reps, trials, warmup):
 def to_markdown(rows, info):
     lines = [f"Metal GEMV microbenchmark: {info.get('device_info', {}).get('device_name', info['device'])}, "
              f"mlx {info['mlx']}, mlx-lm {info['mlx_lm']}", "",
-             "| kernel | model | bits | g | dtype | rows | stock us | stacked us | prescaled us | int8 us "
-             "| prescaled GB/s | prescaled x stock | int8 x stock | max rel err (prescaled) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| kernel | model | bits | g | dtype | rows | stock us | stacked us | kernel us "
+             "| kernel GB/s | kernel x stock | max rel err (kernel) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         res = r["results"]
         lines.append(
             f"| {r['kernel']} | {r['model']} | {r['bits']} | {r['group']} | {r['dtype']} | {r['rows']} "
             f"| {res['stock']['median_us']:.1f} | {res['stacked']['median_us']:.1f} "
-            f"| {res['prescaled']['median_us']:.1f} | {res['int8']['median_us']:.1f} "
-            f"| {res['prescaled']['gb_s']:.0f} | {res['prescaled']['speedup_vs_stock']:.2f} "
-            f"| {res['int8']['speedup_vs_stock']:.2f} | {r['max_rel_err_vs_stock']['prescaled']:.1e} |")
+            f"| {res['kernel']['median_us']:.1f} | {res['kernel']['gb_s']:.0f} "
+            f"| {res['kernel']['speedup_vs_stock']:.2f} | {r['max_rel_err_vs_stock']['kernel']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +192,7 @@ def main(argv=None):
             return run(a)
     if not mx.metal.is_available():
         sys.exit("metal_gemv.py needs Metal (an Apple-silicon Mac); on Linux the kernels are only "
-                 "emulator-verified (pytest tests/test_metal_gemv.py).")
+                 "emulator-verified (pytest tests/test_ops.py -m metal).")
     return run(a)
 
 

@@ -1,16 +1,30 @@
-"""Stock vs patched, in one process, alternating after warm-up (mlx-lm's timing definitions).
+"""Stock vs patched (and variants) in one process, alternating after warm-up, with mlx-lm's timing.
 
-pp N: a random N-token prompt; prompt tok/s = N / time to the first generated token (prefill plus
-      the first token's forward pass and sampling, as mlx_lm.generate reports it).
-tg N: N tokens generated one by one after a 32-token prompt; tok/s = N / time after the first token.
-Each trial runs stock and patched back to back, the order alternating between trials.
+One case is one greedy generation of gen + 1 tokens after a random N-token prompt, through
+mlx_lm's own decode loop (generate_step: greedy, async pipelining). It gives two rows:
+  ppN       N prompt tokens / time to the first generated token (prefill plus the first token's
+            forward pass and sampling, as mlx_lm.generate reports prompt tok/s)
+  tgG @N    the G tokens after the first / the time after the first
+Each trial runs every variant once on the same prompt, in an order that rotates between trials
+(stock and patched: alternating), after `warmup` untimed rounds per prompt length (kernel builds,
+compile traces, cache growth). A row is the median (min-max) over trials; the ratio is of medians
+against the first variant (stock); peak memory is mx.get_peak_memory over each generation (the
+process's arrays, so every loaded variant's weights count); greedy agreement is, per trial, how many
+generated tokens equal stock's from the first on, the fewest over the trials. Python's garbage
+collector is paused while a generation runs: a collection takes milliseconds, a GPU decode step
+a few hundred microseconds.
 """
 
+import gc
+import hashlib
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -20,131 +34,204 @@ from . import __version__, patch, unpatch
 from .config import backend_name
 from .models import quant_label
 
-TG_PROMPT = 32
 
-
-def _run(model, prompt, max_tokens):
-    """(seconds to first token, seconds for the remaining tokens, tokens) for one generation."""
-    tokens = []
-    t0 = time.perf_counter()
-    t_first = None
-    for (tok, _), _ in zip(generate_step(prompt, model, max_tokens=max_tokens), range(max_tokens)):
-        tokens.append(tok)
-        if t_first is None:
-            t_first = time.perf_counter()
-    t_end = time.perf_counter()
-    return t_first - t0, t_end - t_first, tokens
-
-
-def _measure(model, test, n_tokens, vocab, seed):
-    prompt_len = n_tokens if test == "pp" else TG_PROMPT
-    prompt = mx.random.randint(0, vocab, (prompt_len,), key=mx.random.key(seed))
+def generation(model, prompt, n):
+    """One greedy generation of n tokens: (seconds to the first token, seconds for the other n - 1,
+    tokens, peak memory in bytes)."""
     mx.synchronize()
-    mx.clear_cache()
     mx.reset_peak_memory()
-    if test == "pp":
-        ttft, _, _ = _run(model, prompt, 1)
-        tps = n_tokens / ttft
-    else:
-        _, rest, _ = _run(model, prompt, n_tokens + 1)
-        tps = n_tokens / rest
-    return tps, mx.get_peak_memory()
-
-
-def greedy_tokens(model, prompt, n):
-    return [t for (t, _), _ in zip(generate_step(prompt, model, max_tokens=n), range(n))]
-
-
-def agreement(model, n=32, seed=1, disable=()):
-    """Greedy tokens of stock and patched on one random prompt: (matching prefix, n, first diff)."""
-    vocab = model.args.vocab_size
-    prompt = mx.random.randint(0, vocab, (16,), key=mx.random.key(seed))
-    unpatch(model)
-    stock = greedy_tokens(model, prompt, n)
-    patch(model, disable=disable)
-    fused = greedy_tokens(model, prompt, n)
-    same = next((i for i, (a, b) in enumerate(zip(stock, fused)) if a != b), n)
-    return {"tokens": n, "matching": same, "identical": same == n, "stock": stock, "patched": fused}
-
-
-def machine():
-    dev = mx.default_device()
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "mlx_fastops": __version__,
-            "device": str(dev), "backend": backend_name()}
+    gc.collect()
+    gc.disable()
     try:
-        info["device_info"] = {k: v for k, v in mx.device_info().items()
-                               if isinstance(v, (int, float, str))}
-    except Exception:  # older MLX: no device_info
-        pass
-    return info
+        tokens = []
+        t0 = time.perf_counter()
+        for tok, _ in generate_step(prompt, model, max_tokens=n):
+            tokens.append(int(tok))
+            if len(tokens) == 1:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+    finally:
+        gc.enable()
+    return t_first - t0, t_end - t_first, tokens, mx.get_peak_memory()
 
 
-def run(model, label, tests, trials=5, warmup=1, progress=True, seed=0, disable=()):
-    """tests: list of ("pp"|"tg", n); disable: fusions left stock. Returns a result dict."""
-    vocab = model.args.vocab_size
-    report = patch(model, disable=disable)
-    rows = []
-    total = len(tests) * (warmup + trials) * 2
-    done = 0
-    for test, n in tests:
-        samples = {"stock": [], "patched": []}
-        peaks = {"stock": 0, "patched": 0}
-        for trial in range(warmup + trials):
-            order = ("stock", "patched") if trial % 2 == 0 else ("patched", "stock")
-            for variant in order:
-                if variant == "stock":
-                    unpatch(model)
-                else:
-                    patch(model, disable=disable)
-                tps, peak = _measure(model, test, n, vocab, seed + trial)
-                done += 1
-                if progress:
-                    stage = "warm-up" if trial < warmup else f"trial {trial + 1 - warmup}/{trials}"
-                    print(f"\r[bench] {test}{n} {stage} {variant:8s} "
-                          f"{tps:10.2f} tok/s  ({done}/{total})", end="", file=sys.stderr, flush=True)
-                if trial >= warmup:
-                    samples[variant].append(tps)
-                    peaks[variant] = max(peaks[variant], peak)
-        rows.append({"test": f"{test}{n}", "stock": _stats(samples["stock"]),
-                     "patched": _stats(samples["patched"]),
-                     "ratio": statistics.median(samples["patched"]) / statistics.median(samples["stock"]),
-                     "peak_memory_gb": {k: v / 1e9 for k, v in peaks.items()}})
-    if progress:
-        print("", file=sys.stderr)
-    return {"model": label, "quant": quant_label(model), "machine": machine(), "trials": trials,
-            "rows": rows, "agreement": agreement(model, disable=disable), "patch": report.to_dict()}
+def _first_difference(base, tokens):
+    return next((i for i, (a, b) in enumerate(zip(base, tokens)) if a != b), min(len(base), len(tokens)))
 
 
 def _stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
-def to_markdown(result, note=""):
-    m = result["machine"]
-    lines = []
-    if note:
-        lines.append(f"Model note: {note}\n")
-    lines += ["| model | quant | backend | test | stock t/s | patched t/s | ratio | peak mem stock / patched |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        s, p = r["stock"], r["patched"]
-        mem = r["peak_memory_gb"]
-        lines.append(
-            f"| {result['model']} | {result['quant']} | {m['backend']} ({m['device']}) | {r['test']} | "
-            f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | {p['median']:.2f} ({p['min']:.2f}-{p['max']:.2f}) | "
-            f"{r['ratio']:.3f} | {mem['stock']:.2f} / {mem['patched']:.2f} GB |")
-    a = result["agreement"]
-    lines.append("")
-    lines.append(f"Greedy agreement: {a['matching']}/{a['tokens']} tokens identical"
-                 + ("" if a["identical"] else f" (first difference at token {a['matching']})") + ".")
-    lines.append(f"Median (min-max) of {result['trials']} trials, stock and patched alternating. "
-                 f"mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mlx_fastops {m['mlx_fastops']}, "
-                 f"{m['platform']}, Python {m['python']}.")
+def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None):
+    """Time `variants`, a list of (name, model, prepare): prepare() (or None) puts the model in that
+    variant's state before each of its generations; the first variant is the baseline of ratios and
+    agreement. Returns the rows: per prompt length, pp and (where gen > 0) tg."""
+    names = [v[0] for v in variants]
+    vocab = variants[0][1].args.vocab_size
+    rounds = warmup + trials
+    rows = []
+    for n_prompt in prompts:
+        runs = {name: [] for name in names}
+        for r in range(rounds):
+            prompt = mx.random.randint(0, vocab, (n_prompt,), key=mx.random.key(seed + 7919 * n_prompt + r))
+            k = r % len(variants)
+            for name, model, prepare in variants[k:] + variants[:k]:
+                if prepare is not None:
+                    prepare()
+                run = generation(model, prompt, gen + 1)
+                if r >= warmup:
+                    runs[name].append(run)
+                if progress:
+                    stage = "warm-up" if r < warmup else f"trial {r + 1 - warmup}/{trials}"
+                    tg = f" tg {gen / run[1]:8.2f}" if gen else ""
+                    progress(f"p={n_prompt} {stage} {name}: pp {n_prompt / run[0]:8.2f}{tg} tok/s")
+        rows += _rows(n_prompt, gen, runs, names)
+    return rows
+
+
+def _rows(n_prompt, gen, runs, names):
+    base = names[0]
+    agree = {name: [_first_difference(b[2], v[2]) for b, v in zip(runs[base], runs[name])] for name in names[1:]}
+    kinds = [("pp", f"pp{n_prompt}", lambda run: n_prompt / run[0])]
+    if gen:
+        kinds.append(("tg", f"tg{gen} @{n_prompt}", lambda run: gen / run[1]))
+    rows = []
+    for kind, test, rate in kinds:
+        tok_s = {name: [rate(run) for run in runs[name]] for name in names}
+        variants = {}
+        for name in names:
+            v = _stats(tok_s[name])
+            v["ratio"] = v["median"] / statistics.median(tok_s[base])
+            v["peak_memory_gb"] = max(run[3] for run in runs[name]) / 1e9
+            if name != base:
+                v["agreement"] = {"matching": min(agree[name]), "tokens": gen + 1, "per_trial": agree[name]}
+            variants[name] = v
+        rows.append({"test": test, "kind": kind, "prompt": n_prompt, "gen": gen, "variants": variants})
+    return rows
+
+
+def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=(), extra=(), seed=0,
+        progress=True):
+    """Stock and patched (with `disable` left stock) on one model object, unpatch/patch between
+    generations (patch reuses the parked fused modules and compiled step). extra: [(name, model,
+    disable)], more variants, each a separate copy patched once with its `disable` (patch settings
+    belong to a model object). Leaves `model` patched. Returns the model's result."""
+    report = patch(model, disable=disable)
+    variants = [("stock", model, lambda: unpatch(model)), ("patched", model, lambda: patch(model, disable=disable))]
+    reports = {"patched": report.to_dict()}
+    for name, copy, copy_disable in extra:
+        reports[name] = patch(copy, disable=copy_disable).to_dict()
+        variants.append((name, copy, None))
+    tty = sys.stderr.isatty()
+    say = None
+    if progress:   # one line, rewritten, on a terminal; a line per generation in a log
+        say = lambda text: print(f"\r\033[K[bench] {label} {text}" if tty else f"[bench] {label} {text}",
+                                 end="" if tty else "\n", file=sys.stderr, flush=True)
+    rows = compare(variants, prompts, gen, trials, warmup, seed, say)
+    if progress and tty:
+        print("", file=sys.stderr)
+    patch(model, disable=disable)
+    return {"model": label, "quant": quant_label(model), "variants": [v[0] for v in variants], "rows": rows,
+            "patch": reports}
+
+
+def document(results, **settings):
+    """The JSON document of a bench run: machine, settings and every model's result."""
+    return {"machine": machine(), "settings": settings, "models": results}
+
+
+def commit():
+    """The checkout's short commit (+uncommitted where tracked files differ), or None outside one."""
+    root = Path(__file__).resolve().parents[1]
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=20)
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode or Path(top.stdout.strip()).resolve() != root:
+            return None
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+uncommitted" if dirty else "")
+
+
+def source_digest():
+    """sha1 (12 hex) of the package's Python files, kernel sources and recipes: names the code that
+    ran wherever the git state says otherwise (a device copy of a working tree)."""
+    from .kernels import data_dir
+
+    pkg = Path(__file__).resolve().parent
+    files = [(f"mlx_fastops/{f.relative_to(pkg).as_posix()}", f) for f in pkg.rglob("*.py")]
+    for kind in ("metal", "cuda", "patches"):
+        try:
+            base = data_dir(kind)
+        except FileNotFoundError:
+            continue
+        files += [(f"{kind}/{f.relative_to(base).as_posix()}", f) for f in base.rglob("*") if f.is_file()]
+    h = hashlib.sha1()
+    for name, f in sorted(files):
+        h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _gpu_name():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def machine():
+    info = {"platform": platform.platform(), "python": platform.python_version(), "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__, "mlx_fastops": __version__, "device": str(mx.default_device()),
+            "backend": backend_name(), "commit": commit(), "sources": source_digest(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "MLX_FASTOPS_DISABLE": os.environ.get("MLX_FASTOPS_DISABLE", "")}
+    try:
+        info["device_info"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
+    except Exception:  # an MLX without device_info
+        pass
+    if mx.cuda.is_available():
+        info["gpu"] = _gpu_name()
+    return info
+
+
+def _cell(v):
+    digits = 0 if v["median"] >= 1000 else 2
+    return f"{v['median']:.{digits}f} ({v['min']:.{digits}f}-{v['max']:.{digits}f})"
+
+
+def to_markdown(doc):
+    """llama-bench-style table of every model's rows, then how it was measured and where."""
+    settings, m = doc["settings"], doc["machine"]
+    names = doc["models"][0]["variants"] if doc["models"] else ["stock", "patched"]
+    head = "| model | quant | test | stock t/s |" + "".join(f" {n} t/s | ratio |" for n in names[1:])
+    lines = [head + " peak memory GB (" + " / ".join(names) + ") | greedy agreement |",
+             "|---|---|---|---|" + "---|---|" * (len(names) - 1) + "---|---|"]
+    for res in doc["models"]:
+        for row in res["rows"]:
+            v = row["variants"]
+            cells = "".join(f" {_cell(v[n])} | {v[n]['ratio']:.2f}x |" for n in names[1:])
+            mem = " / ".join(f"{v[n]['peak_memory_gb']:.2f}" for n in names)
+            agree = ", ".join(f"{v[n]['agreement']['matching']}/{v[n]['agreement']['tokens']}" for n in names[1:])
+            lines.append(f"| {res['model']} | {res['quant']} | {row['test']} | {_cell(v[names[0]])} |{cells} "
+                         f"{mem} | {agree} |")
+    disable = settings.get("disable") or m.get("MLX_FASTOPS_DISABLE")
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    lines += ["", f"ppN: N prompt tokens / time to the first token; tgG @N: the G tokens after the first / "
+                  f"their time, after an N-token prompt. Median (min-max) of {settings['trials']} trials after "
+                  f"{settings['warmup']} warm-up round(s), variants in rotating order; ratio of medians to stock. "
+                  "Greedy agreement: generated tokens equal to stock's from the first on (fewest over the trials)."
+              + (f" Patched with {disable} left stock." if disable else ""),
+              f"{m['backend']} backend, {m['device']}{gpu}; mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, "
+              f"mlx_fastops {m['mlx_fastops']}, commit {m['commit'] or '-'} (sources {m['sources']}), {m['date']}; "
+              f"{m['platform']}, Python {m['python']}."]
     return "\n".join(lines)
 
 
-def plot(result, path):
+def plot(doc, path):
     try:
         import matplotlib
 
@@ -152,22 +239,24 @@ def plot(result, path):
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib (pip install 'mlx-fastops[plot]'): {e}")
-    tests = [r["test"] for r in result["rows"]]
-    x = range(len(tests))
-    fig, ax = plt.subplots(figsize=(1.8 * len(tests) + 2, 3.5))
-    for off, key in ((-0.2, "stock"), (0.2, "patched")):
-        med = [r[key]["median"] for r in result["rows"]]
-        err = [[m - r[key]["min"] for m, r in zip(med, result["rows"])],
-               [r[key]["max"] - m for m, r in zip(med, result["rows"])]]
-        ax.bar([i + off for i in x], med, width=0.4, yerr=err, label=key)
-    ax.set_xticks(list(x), tests)
+    rows = [(res["model"].split(" ")[0], row) for res in doc["models"] for row in res["rows"]]
+    names = doc["models"][0]["variants"]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 3.5))
+    for i, name in enumerate(names):
+        vs = [row["variants"][name] for _, row in rows]
+        med = [v["median"] for v in vs]
+        err = [[v["median"] - v["min"] for v in vs], [v["max"] - v["median"] for v in vs]]
+        ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))], med, width=width, yerr=err,
+               label=name)
+    ax.set_xticks(range(len(rows)), [f"{model}\n{row['test']}" for model, row in rows])
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"{result['model']} ({result['machine']['backend']})")
+    ax.set_yscale("log")
+    ax.set_title(f"mlx-fastops bench ({doc['machine']['backend']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 
 
-def save_json(result, path):
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+def save_json(doc, path):
+    Path(path).write_text(json.dumps(doc, indent=1))

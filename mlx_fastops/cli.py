@@ -34,26 +34,39 @@ def _load(args):
 
 def cmd_bench(args):
     from . import bench
-    from .models import on_gpu
+    from .models import load, on_gpu
 
     cpu = not on_gpu() and args.model is None
     prompts = args.prompt_tokens or ([32] if cpu else [512, 2048])
-    gen = args.generation_tokens or (16 if cpu else 128)
-    trials = args.num_trials or (3 if cpu else 5)
-    model, _, label, note = _load(args)
-    tests = [("pp", p) for p in prompts if p > 0] + ([("tg", gen)] if gen > 0 else [])
-    result = bench.run(model, label, tests, trials=trials, progress=not args.quiet, disable=args.disable)
-    result["note"] = note
-    print(bench.to_markdown(result, note))
-    print()
-    print(_report_of(model))
+    gen = args.generation_tokens if args.generation_tokens is not None else 16 if cpu else 128
+    trials = args.num_trials if args.num_trials is not None else 3 if cpu else 5
+    if any(p < 1 for p in prompts) or gen < 0 or trials < 1 or args.warmup < 0:
+        raise ValueError("-p takes prompt lengths >= 1, -g >= 0, -n >= 1, --warmup >= 0")
+    specs = args.model.split(",") if args.model else [None]
+    quant = dict(bits=args.bits or None, group_size=args.group_size)
+    results, reports = [], []
+    for spec in specs:
+        model, _, label, note = load(spec, **quant)
+        # a variant is a copy of its own (patch settings belong to a model object)
+        extra = [(f"without {names}", load(spec, **quant)[0], f"{args.disable},{names}") for names in args.variant]
+        result = bench.run(model, label, prompts, gen, trials=trials, warmup=args.warmup, disable=args.disable,
+                           extra=extra, progress=not args.quiet)
+        result["note"] = note
+        results.append(result)
+        reports.append(f"{label}:\n{_report_of(model)}")
+        del model, extra
+        mx.clear_cache()
+    doc = bench.document(results, prompts=prompts, gen=gen, trials=trials, warmup=args.warmup,
+                         disable=args.disable, variants=args.variant)
+    notes = [f"Model note ({r['model']}): {r['note']}" for r in results if r["note"]]
+    text = "\n\n".join([bench.to_markdown(doc), *notes, *reports])
+    print(text)
     if args.json:
-        bench.save_json(result, args.json)
+        bench.save_json(doc, args.json)
     if args.markdown:
-        args.markdown.write_text(f"# mlx-fastops bench: {label}\n\n{bench.to_markdown(result, note)}\n\n"
-                                 f"{_report_of(model)}\n")
+        args.markdown.write_text(f"# mlx-fastops bench\n\n{text}\n")
     if args.plot:
-        bench.plot(result, args.plot)
+        bench.plot(doc, args.plot)
     return 0
 
 
@@ -190,14 +203,23 @@ def build_parser():
     p = argparse.ArgumentParser(prog="mlx-fastops", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("bench", help="stock vs patched tokens/s, alternating in one process")
+    b = sub.add_parser("bench", help="stock vs patched tokens/s, alternating in one process",
+                       description="Stock vs patched in one process: per prompt length, prompt tok/s (ppN) "
+                                   "and decode tok/s after it (tgG @N), alternating after warm-up, "
+                                   "median (min-max) of the trials. --model takes several, comma-separated.")
     _model_args(b)
-    b.add_argument("-p", "--prompt-tokens", type=_ints, default=None, help="e.g. 512,2048")
-    b.add_argument("-g", "--generation-tokens", type=int, default=None)
-    b.add_argument("-n", "--num-trials", type=int, default=None)
+    b.add_argument("-p", "--prompt-tokens", type=_ints, default=None,
+                   help="prompt lengths, comma-separated (default: 512,2048 on a GPU, 32 without one)")
+    b.add_argument("-g", "--generation-tokens", type=int, default=None,
+                   help="tokens timed after the first; 0: prompt rows only (default: 128 on a GPU, 16 without)")
+    b.add_argument("-n", "--num-trials", type=int, default=None,
+                   help="timed trials per prompt length (default: 5 on a GPU, 3 without)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed rounds per prompt length (default: 1)")
+    b.add_argument("--variant", action="append", default=[], metavar="NAMES",
+                   help="also time a copy patched with these fusions off (comma-separated; repeatable)")
     b.add_argument("--json", type=Path, help="write the results as JSON")
     b.add_argument("--markdown", type=Path, help="write the table as a Markdown file")
-    b.add_argument("--plot", type=Path, help="write a stock vs patched bar chart (PNG)")
+    b.add_argument("--plot", type=Path, help="write a bar chart of every row (PNG)")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     b.set_defaults(func=cmd_bench)
 

@@ -14,17 +14,47 @@ TINY = ["--model", "qwen3-tiny"]
 
 
 def test_bench_json_and_table(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert main(["bench", *TINY, "-p", "16", "-g", "4", "-n", "2", "--json", str(out)]) == 0
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert main(["bench", *TINY, "-p", "16,40", "-g", "4", "-n", "2", "--json", str(out), "--markdown", str(md)]) == 0
     text = capsys.readouterr()
-    assert "| qwen3-tiny (synthetic, 4-bit g64) | 4-bit g64 |" in text.out
-    assert "pp16" in text.out and "tg4" in text.out and "Greedy agreement: 32/32" in text.out
-    assert "[bench]" in text.err  # progress line
-    result = json.loads(out.read_text())
-    assert [r["test"] for r in result["rows"]] == ["pp16", "tg4"]
+    for test in ("pp16", "tg4 @16", "pp40", "tg4 @40"):
+        assert f"| qwen3-tiny (synthetic, 4-bit g64) | 4-bit g64 | {test} |" in text.out
+    assert "| 5/5 |" in text.out   # the float32 reference path: every greedy token equals stock's
+    assert "[bench]" in text.err   # progress
+    assert md.read_text().startswith("# mlx-fastops bench\n") and "mlx_fastops patch:" in md.read_text()
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["mlx"] and doc["machine"]["sources"] and doc["settings"]["trials"] == 2
+    (result,) = doc["models"]
+    assert result["variants"] == ["stock", "patched"] and list(result["patch"]) == ["patched"]
+    assert [(r["kind"], r["prompt"], r["gen"]) for r in result["rows"]] == [
+        ("pp", 16, 4), ("tg", 16, 4), ("pp", 40, 4), ("tg", 40, 4)]
     for row in result["rows"]:
-        assert len(row["stock"]["samples"]) == 2 and row["patched"]["median"] > 0
-    assert result["machine"]["mlx"] and result["agreement"]["identical"]
+        stock, patched = row["variants"]["stock"], row["variants"]["patched"]
+        assert len(stock["samples"]) == len(patched["samples"]) == 2
+        assert stock["min"] <= stock["median"] <= stock["max"] and patched["peak_memory_gb"] > 0
+        assert patched["ratio"] == patched["median"] / stock["median"]
+        assert patched["agreement"] == {"matching": 5, "tokens": 5, "per_trial": [5, 5]}
+
+
+def test_bench_several_models_and_a_variant(tmp_path):
+    """Two models in one run, each beside a copy patched without one fusion; -g 0: prompt rows only."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "qwen3-tiny,llama-tiny", "-p", "8", "-g", "0", "-n", "1", "--warmup", "0",
+                 "--variant", "gate_up", "-q", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["model"].split(" ")[0] for r in doc["models"]] == ["qwen3-tiny", "llama-tiny"]
+    for result in doc["models"]:
+        assert result["variants"] == ["stock", "patched", "without gate_up"]
+        assert [r["test"] for r in result["rows"]] == ["pp8"]
+        fused = {name: {s["fusion"] for s in report["summary"] if s["status"] == "fused"}
+                 for name, report in result["patch"].items()}
+        assert fused["without gate_up"] == fused["patched"] - {"gate_up"} and "gate_up" in fused["patched"]
+
+
+@pytest.mark.parametrize("args", [["-p", "0"], ["-g", "-1"], ["-n", "0"], ["--variant", "no_such_fusion"]])
+def test_bench_rejects_bad_settings(args, capsys):
+    assert main(["bench", *TINY, "-q", *args]) == 2
+    assert "error" in capsys.readouterr().err
 
 
 def test_bench_plot(tmp_path):

@@ -9,9 +9,8 @@ rows, sizes that are not tile multiples, negative scales (MLX's quantiser produc
 64/128/256, GQA 1/2/4/8, cache lengths crossing 256 and the split size.
 """
 
+import contextlib
 import math
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +18,10 @@ import numpy as np
 import pytest
 
 from mlx_fastops import kernels
-from mlx_fastops.backends import cuda as C
+from mlx_fastops.backends.cuda import attention as A
+from mlx_fastops.backends.cuda import block, layer, step
+from mlx_fastops.backends.cuda import gemv as G
+from mlx_fastops.backends.cuda.source import offset_array, tickets
 from mlx_fastops.backends import reference as R
 from mlx_fastops.ops.weights import PackedLinear, RopeSpec
 
@@ -55,6 +57,20 @@ def packed(N, K, bits, gs, dtype, splits=None, bias=False):
                         tuple(splits or (N,)), K, bits, gs)
 
 
+@contextlib.contextmanager
+def unstaged():
+    """Every GEMV converts x per warp at each k-step (gemv.cu without XK), as for rows too long
+    to stage in shared memory."""
+    old = G.STAGE_MAX_FLOATS
+    G.STAGE_MAX_FLOATS = 0
+    kernels.clear_builders()
+    try:
+        yield
+    finally:
+        G.STAGE_MAX_FLOATS = old
+        kernels.clear_builders()
+
+
 def dense(w):
     """fp32 dequantised weight [N, K] (from the stored, already rounded scales/biases)."""
     return mx.dequantize(w.weight, w.scales.astype(mx.float32), w.biases.astype(mx.float32),
@@ -76,13 +92,14 @@ def test_gemv_plain(dtype, bits, gs, M, K, N):
     w = packed(N, K, bits, gs, dt, bias=(M == 2))
     assert (np.asarray(w.scales.astype(mx.float32)) < 0).any(), "expected some negative scales"
     x = mx.random.normal((M, K)).astype(dt)
-    y = C.gemv(x, w)
+    y = G.gemv(x, w)
     ref = x.astype(mx.float32) @ dense(w).T
     if w.bias is not None:
         ref = ref + w.bias.astype(mx.float32)
     assert y.shape == (M, N) and y.dtype == dt
     assert rel(y, ref) < 1e-2
-    assert mx.array_equal(y, C.gemv(x, w, stage=False))   # x staged in shared memory or not: same bits
+    with unstaged():   # x staged in shared memory or not: same bits
+        assert mx.array_equal(y, G.gemv(x, w))
     if ON_GPU:
         assert rel(y, R.linear(x, w)) < 2e-2
 
@@ -91,20 +108,19 @@ def test_gemv_fp32():
     w = packed(320, 192, 4, 64, mx.float32)
     x = mx.random.normal((2, 192))
     # the fp32 reference matmul itself may run in TF32 on the GPU
-    assert rel(C.gemv(x, w), x @ dense(w).T) < 2e-3
+    assert rel(G.gemv(x, w), x @ dense(w).T) < 2e-3
 
 
 @pytest.mark.parametrize("M,K,N,gs", [(1, 1024, 300, 64), (3, 448, 200, 32), (8, 2048, 72, 128)])
-def test_nibble_fold_matches_exact_nibbles(M, K, N, gs):
-    """nibble_fold (weights as 0.5 + q/32, the offset taken out with the x-sum) loses a bit or two
-    to cancellation: in float32 both paths are within 1e-5 of a float64 product (emulator: 2e-6
-    and 6e-7), three orders inside the 1e-2 tolerances that a wrong offset would still have to beat."""
+def test_folded_nibbles_are_exact_to_a_bit_or_two(M, K, N, gs):
+    """4-bit weights as 0.5 + q/32 (the offset taken out with the x-sum) lose a bit or two to
+    cancellation: in float32 within 1e-5 of a float64 product (emulator: 2e-6), three orders inside
+    the 1e-2 tolerances that a wrong offset would still have to beat."""
     w = packed(N, K, 4, gs, mx.float32)
     x = 3 * mx.random.normal((M, K)) + 1   # a mean, so the folded x-sum is not ~0
     exact = np.asarray(x).astype(np.float64) @ np.asarray(dense(w)).astype(np.float64).T
-    for fold in (True, False):
-        y = np.asarray(C.gemv(x, w, fold=fold)).astype(np.float64)
-        assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 1e-5, fold
+    y = np.asarray(G.gemv(x, w)).astype(np.float64)
+    assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 1e-5
 
 
 @pytest.mark.parametrize("dtype,bits,gs,M", [("bfloat16", 4, 64, 1), ("float16", 8, 32, 2),
@@ -116,13 +132,14 @@ def test_gemv_epilogues(dtype, bits, gs, M):
     # residual
     w = packed(N, K, bits, gs, dt)
     res = mx.random.normal((M, N)).astype(dt)
-    y = C.gemv(x, w, epi=1, res=res)
+    y = G.gemv(x, w, epi=1, res=res)
     assert rel(y, (res.astype(mx.float32) + x.astype(mx.float32) @ dense(w).T)) < 1e-2
-    assert mx.array_equal(y, C.gemv(x, w, epi=1, res=res, stage=False))
+    with unstaged():
+        assert mx.array_equal(y, G.gemv(x, w, epi=1, res=res))
     # gate/up + SiLU with folded RMSNorm
     gu = packed(2 * N, K, bits, gs, dt, splits=(N, N))
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
-    y = C.gemv(x * 3, gu, epi=2, norm=(nw, 1e-6))
+    y = G.gemv(x * 3, gu, epi=2, norm=(nw, 1e-6))
     xn = mx.fast.rms_norm(x * 3, nw, 1e-6)
     g, u = mx.split(xn.astype(mx.float32) @ dense(gu).T, 2, axis=-1)
     exact = nn.silu(g) * u
@@ -130,10 +147,10 @@ def test_gemv_epilogues(dtype, bits, gs, M):
     if ON_GPU:
         assert rel(y, R.gate_up_silu(xn, gu)) < 3e-2
     # public op wrappers
-    assert rel(C.gate_up_silu(xn.reshape(1, M, K), gu), exact.reshape(1, M, N)) < 1.5e-2
+    assert rel(G.gate_up_silu(xn.reshape(1, M, K), gu), exact.reshape(1, M, N)) < 1.5e-2
     qkv = packed(N + 128 + 128, K, bits, gs, dt, splits=(N, 128, 128))
     full = x.astype(mx.float32) @ dense(qkv).T
-    for a, b in zip(C.qkv_proj(x.reshape(M, 1, K), qkv), mx.split(full, [N, N + 128], axis=-1)):
+    for a, b in zip(G.qkv_proj(x.reshape(M, 1, K), qkv), mx.split(full, [N, N + 128], axis=-1)):
         assert a.shape == (M, 1, b.shape[-1]) and rel(a, b.reshape(M, 1, -1)) < 1e-2
 
 
@@ -147,21 +164,22 @@ def test_folded_norm_matches_rms_norm(dtype, M, K):
     normalized elements move by an ulp and up to ~40% of the bf16 outputs differ (rel above 2e-3
     in 5 of 360 draws, at most 2.9e-3), nearly as much as a norm that misses 8 of K elements
     (3.6e-3 to 6.3e-3; the 1e-2 tolerances against float32 would let that pass). Where x fits in
-    shared memory (x_stage) the staged norm gives the unstaged one's bits."""
+    shared memory (staged) the norm gives the unstaged one's bits."""
     dt = getattr(mx, dtype)
     x = (mx.random.randint(-12, 13, (M, K)) / 4).astype(dt)
     nw = (1 + 0.1 * mx.random.normal((K,))).astype(dt)
     gu = packed(640, K, 4, 64, dt, splits=(320, 320))
-    y = C.gemv(x, gu, epi=2, norm=(nw, 1e-6))
-    assert rel(y, C.gemv(mx.fast.rms_norm(x, nw, 1e-6), gu, epi=2)) < 1e-3
-    assert bool(C.x_stage(M, K, dt)) == (M * K <= C.STAGE_MAX_FLOATS)
-    assert mx.array_equal(y, C.gemv(x, gu, epi=2, norm=(nw, 1e-6), stage=False))
+    y = G.gemv(x, gu, epi=2, norm=(nw, 1e-6))
+    assert rel(y, G.gemv(mx.fast.rms_norm(x, nw, 1e-6), gu, epi=2)) < 1e-3
+    assert bool(G.x_stage(M, K, dt)) == (M * K <= G.STAGE_MAX_FLOATS)
+    with unstaged():
+        assert mx.array_equal(y, G.gemv(x, gu, epi=2, norm=(nw, 1e-6)))
 
 
 def test_rows_beyond_8_use_reference():
     w = packed(256, 512, 4, 64, mx.bfloat16)
     x = mx.random.normal((1, 9, 512)).astype(mx.bfloat16)
-    assert mx.array_equal(C.lm_head(x, w), R.lm_head(x, w))
+    assert mx.array_equal(G.lm_head(x, w), R.lm_head(x, w))
 
 
 def _rope_ref(x, rope, offset):
@@ -198,17 +216,17 @@ def test_head_kernel(D, H, HKV, M, L, qknorm, freqs, bias):
     head = (("D", D), ("H", H), ("HKV", HKV), ("freqs", freqs), ("keps", 1e-5),
             ("log2_base", math.log2(rope.base or 1.0)), ("qeps", 1e-6), ("qknorm", qknorm), ("scale", 1.0),
             ("trad", False), ("L", L))
-    kern, grid, tg = C._gemv_kernel(dt, M, K, qkv.out_features, 4, 64, 3, 1e-6, bias, False, head)
+    kern, grid, tg = G.gemv_kernel(dt, M, K, qkv.out_features, 4, 64, 3, 1e-6, bias, False, head)
     ins = [x, qkv.weight, qkv.scales, qkv.biases, nw] + ([qkv.bias] if bias else [])
-    ins += ([qn, kn] if qknorm else []) + [C.offset_array(off)]
-    tickets = C.tickets(H + 2 * HKV)
-    ins += ([rope.freqs] if freqs else []) + [kc, vc, tickets, kc]
+    ins += ([qn, kn] if qknorm else []) + [offset_array(off)]
+    cnt = tickets(H + 2 * HKV)
+    ins += ([rope.freqs] if freqs else []) + [kc, vc, cnt, kc]
     # twice: the tickets must be back to zero after each launch
     for _ in range(2):
         q = kern(inputs=ins, output_shapes=[(B, L, H, D), (M, qkv.out_features)], output_dtypes=[dt, mx.float32],
                  grid=grid, threadgroup=tg)[0]
         mx.eval(q)
-        assert not np.asarray(tickets).any()
+        assert not np.asarray(cnt).any()
     # reference: the kernel's rounding points (GEMV in float32 -> T), then stock norm and RoPE ops
     xn = mx.fast.rms_norm(x, nw, 1e-6)
     y = xn.astype(mx.float32) @ dense(qkv).T
@@ -250,19 +268,19 @@ def _check_attention(dtype, D, G, B, length, S):
     kc = mx.random.normal((B, HKV, S, D)).astype(dt)
     vc = mx.random.normal((B, HKV, S, D)).astype(dt)
     scale = D ** -0.5
-    o = C.decode_attention(q, kc, vc, length, scale)
+    o = A.decode_attention(q, kc, vc, length, scale)
     ref = R.decode_attention(q.astype(mx.float32), kc.astype(mx.float32), vc.astype(mx.float32), length, scale)
     assert o.shape == (B, H, 1, D)
     for b in range(B):
         for h in range(H):   # per head: one bad split cannot hide in a whole-tensor norm
             assert rel(o[b, h], ref[b, h]) < 1e-2, (b, h)
     # again (the split tickets must have been reset), with the length as an array
-    o2 = C.decode_attention(q, kc, vc, mx.array(length), scale)
+    o2 = A.decode_attention(q, kc, vc, mx.array(length), scale)
     assert rel(o2, ref) < 1e-2
     # a strided view of a larger buffer (kernel indexes by strides; MLX must not copy)
     big = mx.random.normal((2, B, HKV, S + 32, D)).astype(dt)
     kv, vv = big[0, :, :, 16:S + 16], big[1, :, :, 16:S + 16]
-    o3 = C.decode_attention(q, kv, vv, length, scale)
+    o3 = A.decode_attention(q, kv, vv, length, scale)
     ref3 = R.decode_attention(q.astype(mx.float32), kv.astype(mx.float32), vv.astype(mx.float32), length, scale)
     assert rel(o3, ref3) < 1e-2
 
@@ -271,15 +289,15 @@ def _check_attention(dtype, D, G, B, length, S):
                                         (3, 8, 2, 300), (1, 8, 4, 2000), (2, 4, 1, 40)])
 def test_attention_multi_token_causal(L, G, gb, off):
     """L new tokens per row after `off` cached ones; gb < G: each block takes gb of the G query
-    heads of its kv head (attn_head_split), one split or many."""
+    heads of its kv head (as in the one-launch layer), one split or many."""
     dt, B, HKV, D = mx.bfloat16, 2, 2, 128
     S = off + L + 64
     q = mx.random.normal((B, L, HKV * G, D)).astype(dt)
     kc = mx.random.normal((B, HKV, S, D)).astype(dt)
     vc = mx.random.normal((B, HKV, S, D)).astype(dt)
-    cnt = C.tickets(B * L * HKV * G)
+    cnt = tickets(B * L * HKV * G)
     for _ in range(2):   # again: the tickets must have been left zero
-        o = C.attention(q, kc, vc, C.offset_array(off), D ** -0.5, cnt, gb)
+        o = A.attention(q, kc, vc, offset_array(off), D ** -0.5, cnt, gb)
         k = kc[:, :, :off + L].astype(mx.float32)
         v = vc[:, :, :off + L].astype(mx.float32)
         ref = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3).astype(mx.float32), k, v,
@@ -288,11 +306,10 @@ def test_attention_multi_token_causal(L, G, gb, off):
             assert rel(o[:, :, h], ref[:, :, h]) < 1e-2, h
 
 
-@pytest.mark.parametrize("name,disable", [("qwen3-tiny", ""), ("llama-tiny", ""), ("qwen2-tiny", ""),
-                                          ("qwen3-tiny", "layer_kernel")])
-def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
-    """The whole fused decode block (one launch per layer, or with layer_kernel disabled 5; the
-    StaticKVCache written in place, tickets, the previous reader as an input) on tiny bf16 models, without mx.compile (the emulator runs
+@pytest.mark.parametrize("name", ["qwen3-tiny", "llama-tiny", "qwen2-tiny"])
+def test_fast_decode_path_tiny_model(name, monkeypatch):
+    """The whole fused decode block (one launch per layer; the StaticKVCache written in place,
+    tickets, the previous reader as an input) on tiny bf16 models, without mx.compile (the emulator runs
     outside MLX's graph), after a prompt that crosses 256. Teacher-forced along tokens stock picks
     (its argmax after each forced token), against the float32 evaluation of the same quantised
     model: the fused path must pick the oracle's token wherever the oracle's margin is clear, and be
@@ -301,7 +318,6 @@ def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    monkeypatch.setenv("MLX_FASTOPS_DISABLE", disable)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=1)
     prompt = mx.random.randint(0, model.args.vocab_size, (300,), key=mx.random.key(4))
     first = fidelity.forced_logits(model, prompt, [0] * 12)
@@ -316,7 +332,7 @@ def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
     finally:
         mlx_fastops.unpatch(model)
     fused = fidelity.against(got, oracle)
-    print(f"{name} {'without ' + disable if disable else 'default'} vs float32: stock {stock}, patched {fused}")
+    print(f"{name} vs float32: stock {stock}, patched {fused}")
     assert np.isfinite(np.asarray(got)).all()
     assert fused["mean_abs"] <= 1.1 * stock["mean_abs"], (fused, stock)
     o = np.asarray(oracle)
@@ -328,49 +344,64 @@ def test_fast_decode_path_tiny_model(name, disable, monkeypatch):
 
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1), ("qwen2-tiny", 1, 1),
                                           ("qwen3-tiny", 2, 3)])
-def test_one_launch_layer_matches_five_launches(name, batch, L, monkeypatch):
-    """The one-launch decoder layer, without and with layer_prefetch (GEMV phases wait inside,
-    after sending their weights on), attn_prefetch (so does the attention, after its K/V rows)
-    and layer_wait_load (waits poll with loads), computes exactly
-    what the 5-launch path (MLX_FASTOPS_DISABLE=layer_kernel) without x_stage computes: same
-    outputs and same cache rows, bit for bit; so does it with both, and with x_stage (the folded
-    norms stage x in shared memory; the tiny models' x always fits). Where G allows, again with
-    attention blocks of 2 query heads (attn_head_split)."""
-    from mlx_fastops import synthetic_model
+def test_one_launch_layer_matches_stock_block(name, batch, L, monkeypatch):
+    """One layer's launch (fb.core) against the decoder block it replaces, evaluated in float32
+    (dequantised weights, float32 activations) on the same inputs over a KVCache holding the same
+    P cached rows: the block's output and the k/v rows written in place into the cache buffers
+    (nothing else there moves), no further from float32 than the stock bf16 block (which adds up
+    in bf16). Again with x unstaged (the path of rows too long for shared memory) and with
+    attention blocks of all G query heads: bit for bit the default launch's."""
+    from mlx_lm.models.cache import KVCache
+    from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
+    stock = model.model.layers[0]
     mlx_fastops.patch(model, disable=("compile",))
     try:
         fb = model.model.layers[0].fast_fn
-        a = model.args
-        P, D = 270, fb.D
-        k0 = mx.random.normal((batch, fb.HKV, 512, D)).astype(mx.bfloat16)
-        v0 = mx.random.normal((batch, fb.HKV, 512, D)).astype(mx.bfloat16)
-        x = mx.random.normal((batch, L, a.hidden_size)).astype(mx.bfloat16)   # L new tokens each
-        off = C.offset_array(P)
-        G = fb.H // fb.HKV
-        results = {}
-        for fb.gb in sorted({G, 2 if G % 2 == 0 else G}):
-            for fb.one_launch, fb.prefetch, fb.wait_load, fb.stage, fb.attn_prefetch in (
-                    (False, False, False, False, False), (True, False, False, False, False),
-                    (True, True, False, True, False), (True, False, True, False, True),
-                    (True, True, True, True, True), (False, False, False, True, False)):
-                kc, vc = k0 + 0, v0 + 0
-                mx.eval(kc, vc)
-                out, o = fb.core(x, off, kc, vc, kc)
-                mx.eval(out, o)
-                results.setdefault(fb.gb, []).append((out, o, kc, vc))
+        P, D, S = 270, fb.D, 512
+        k0 = mx.random.normal((batch, fb.HKV, S, D)).astype(mx.bfloat16)
+        v0 = mx.random.normal((batch, fb.HKV, S, D)).astype(mx.bfloat16)
+        x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)   # L new tokens each
+
+        def run():
+            kc, vc = k0 + 0, v0 + 0
+            mx.eval(kc, vc)
+            out, o = fb.core(x, offset_array(P), kc, vc, kc)
+            mx.eval(out, o)
+            return out, kc, vc
+
+        launched = run()
+        with unstaged():
+            variants = [run()]
+        G_ = fb.H // fb.HKV
+        fb.gb, gb = G_, fb.gb
+        variants.append(run())
+        fb.gb = gb
         assert not np.asarray(fb.layer_counters(1)).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)
-    for five, *one in results.values():
-        assert np.isfinite(np.asarray(five[0].astype(mx.float32))).all()
-        assert not mx.array_equal(five[2][:, :, P + L - 1], k0[:, :, P + L - 1])   # the new rows were written
-        for variant in one:
-            for a5, a1 in zip(five, variant):
-                assert mx.array_equal(a5, a1)
+    oracle = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)).model.layers[0]
+    f32 = lambda a: a.astype(mx.float32)
+    mask = "causal" if L > 1 else None
+    ref, ref_cache = [], []
+    for blk, cast in ((oracle, f32), (stock, lambda a: a)):
+        cache = KVCache()
+        cache.update_and_fetch(cast(k0[:, :, :P]), cast(v0[:, :, :P]))
+        ref.append(blk(cast(x), mask=mask, cache=cache))
+        ref_cache.append(cache)
+    out, kc, vc = launched
+    assert rel(out, ref[0]) <= max(1.1 * rel(ref[1], ref[0]), 1e-2)
+    for ours, old, new, stock_new in ((kc, k0, ref_cache[0].keys, ref_cache[1].keys),
+                                      (vc, v0, ref_cache[0].values, ref_cache[1].values)):
+        rows = lambda a: a[:, :, P:P + L]
+        assert rel(rows(ours), rows(new)) <= max(1.1 * rel(rows(stock_new), rows(new)), 1e-2)
+        assert mx.array_equal(ours[:, :, :P], old[:, :, :P]) and mx.array_equal(ours[:, :, P + L:], old[:, :, P + L:])
+    for variant in variants:
+        for a, b in zip(launched, variant):
+            assert mx.array_equal(a, b)
 
 
 # Real layer shapes ((bits, gs, N, K) of qkv, o, gate/up, down), heads (H, HKV, D), then the blocks
@@ -391,35 +422,34 @@ LAYERS = [
 
 @pytest.mark.parametrize("name,shapes,heads,blocks,staged", LAYERS)
 def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
-    """How the one-launch layer is cut on the H200 (as measured: benchmarks/results/cuda_notes.md):
-    layer_one_wave keeps Qwen3-4B's o_proj/down and Qwen3-4B/8B's QKV in one wave of 528 blocks,
-    layer_stream the gate/up phases (several row groups per block), and leaves the rest; x is
-    staged in shared memory except beside attention blocks of more than 256 query-head values
-    (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared memory)."""
+    """How the one-launch layer is cut on the H200 (as measured: docs/cuda-design.md): Qwen3-4B's
+    o_proj/down and Qwen3-4B/8B's QKV take more rows per warp to fit one wave of 528 blocks, the
+    gate/up phases run several row groups per block, the rest keep one group per block as a GEMV
+    launched alone would; x is staged in shared memory except beside attention blocks of more than
+    256 query-head values (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared
+    memory)."""
     H, HKV, D = heads
-    G = H // HKV
-    gb = 2 if G % 2 == 0 else G   # attn_head_split
     head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
                 log2_base=20.0, scale=1.0)
-    build = lambda on: C._layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())),
-                                      17, 0.088, gb, True, True, one_wave=on, stream=on)
     with kernels.use_cuda_factory(lambda **kw: kw):   # capture the kernel's arguments, build nothing
-        kw, groups, _ = build(True)
-        off = build(False)[1]
+        kw, groups, _ = layer.layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())),
+                                          17, 0.088, A.head_subgroup(H // HKV))
+    epis = (3, 1, 2, 1)
+    alone = [G.gemv_blocks(N, e, G.gemv_config(1, K, N, b, e)[1], 4) for (b, _, N, K), e in zip(shapes, epis)]
     assert (groups[0], *groups[2:]) == blocks
-    assert max(groups[i] for i in (0, 2, 3, 4)) <= C.RESIDENT_BLOCKS
-    assert all(a >= b for a, b in zip(off, groups))   # the rules only ever remove blocks
+    assert max(groups[i] for i in (0, 2, 3, 4)) <= G.RESIDENT_BLOCKS
+    assert all(a >= b for a, b in zip(alone, (groups[0], *groups[2:5])))   # the rules only ever remove blocks
     assert (kw["shared_memory"] > 0) == staged
 
 
 @pytest.mark.parametrize("variant", ["one_wave", "stream"])
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1)])
 def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
-    """The launch's blocking variants, forced onto a tiny model, keep the layer's outputs and cache
-    rows bit for bit. layer_one_wave (a one-block wave, any K): every GEMV phase takes its most rows
-    per warp (QKV 4, so its blocks tile a head in 4 instead of 16). layer_stream (a three-block
-    wave): the o_proj, gate/up and down phases run their row groups 3 blocks at a time, in uneven
-    shares, against one group per block."""
+    """The launch's blocking rules, forced onto a tiny model by a smaller wave, keep the layer's
+    outputs and cache rows bit for bit. one_wave (a one-block wave, any K): every GEMV phase takes
+    its most rows per warp (QKV 4, so its blocks tile a head in 4 instead of 16). stream (a
+    three-block wave): the o_proj, gate/up and down phases run their row groups 3 blocks at a time,
+    in uneven shares, against one group per block."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -428,7 +458,6 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
     mlx_fastops.patch(model, disable=("compile",))
     try:
         fb = model.model.layers[0].fast_fn
-        assert fb.one_launch and fb.one_wave and fb.stream
         M, K = batch * L, fb.K
         k0 = mx.random.normal((batch, fb.HKV, 512, fb.D)).astype(mx.bfloat16)
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
@@ -436,26 +465,23 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
         def run():
             kc, vc = k0 + 0, k0 * 2
             mx.eval(kc, vc)
-            out = fb.core(x, C.offset_array(300), kc, vc, kc) + (kc, vc)
+            out = fb.core(x, offset_array(300), kc, vc, kc) + (kc, vc)
             mx.eval(out)
             return out
 
+        base = run()
         if variant == "one_wave":
-            assert C.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 2
-            base = run()
-            monkeypatch.setattr(C, "RESIDENT_BLOCKS", 1)
-            monkeypatch.setattr(C, "ONE_WAVE_MIN_K", 0)
+            assert G.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 2
+            monkeypatch.setattr(G, "RESIDENT_BLOCKS", 1)
+            monkeypatch.setattr(G, "ONE_WAVE_MIN_K", 0)
             kernels.clear_builders()
-            assert C.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 4
+            assert G.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 4
         else:
-            monkeypatch.setattr(C, "RESIDENT_BLOCKS", 3)
+            monkeypatch.setattr(G, "RESIDENT_BLOCKS", 3)
             kernels.clear_builders()
-            R = C.gemv_config(M, K, fb.gate_up.out_features, 4, 2, True)[1]
-            nb = C.gemv_blocks(fb.gate_up.out_features, 2, R, 4)
-            assert C.stream_blocks(nb) == 3 and nb % 3   # streamed, in uneven shares
-            fb.stream = False
-            base = run()
-            fb.stream = True
+            R = G.gemv_config(M, K, fb.gate_up.out_features, 4, 2, True)[1]
+            nb = G.gemv_blocks(fb.gate_up.out_features, 2, R, 4)
+            assert G.stream_blocks(nb) == 3 and nb % 3   # streamed, in uneven shares
         forced = run()
     finally:
         mlx_fastops.unpatch(model)
@@ -464,12 +490,11 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
         assert mx.array_equal(a, b)
 
 
-@pytest.mark.parametrize("name,batch,L,prefetch,layers,loop", [
-    ("qwen3-tiny", 1, 1, False, 3, True), ("llama-tiny", 2, 2, True, 2, True), ("qwen2-tiny", 1, 1, True, 3, True),
-    ("qwen3-tiny", 2, 1, True, 3, False)])
-def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, layers, loop, monkeypatch):
-    """Every layer of a short model in one launch (layer_groups; the residual stream between them
-    in scratch outputs; loop: layer_loop, one call site per phase) computes exactly what one launch
+@pytest.mark.parametrize("name,batch,L,layers", [("qwen3-tiny", 1, 1, 3), ("llama-tiny", 2, 2, 2),
+                                                 ("qwen2-tiny", 1, 1, 3), ("qwen3-tiny", 2, 1, 3)])
+def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkeypatch):
+    """Every layer of a short model in one launch (the residual stream between them in scratch
+    outputs, one call site per phase) computes exactly what one launch
     per layer computes; so does the launch with phase stamps (layers_launch(stamps=True), which
     benchmarks/cuda_layer_phases.py reads), whose every block is stamped, entry before end, and
     ends after every block of the group before it (its wait; attention blocks whose split is past
@@ -484,13 +509,10 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, laye
     try:
         fbs = [layer.fast_fn for layer in model.model.layers]
         assert len(fbs) == layers and all(fb.launch_key() == fbs[0].launch_key() for fb in fbs)
-        for fb in fbs:
-            fb.prefetch = fb.wait_load = fb.attn_prefetch = prefetch
-            fb.loop = loop
         P, D, HKV = 300, fbs[0].D, fbs[0].HKV
         caches = [[mx.random.normal((batch, HKV, 512, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
-        off = C.offset_array(P)
+        off = offset_array(P)
         results = []
         for mode in ("per layer", "together", "stamped"):
             bufs = [(kc + 0, vc + 0) for kc, vc in caches]
@@ -500,7 +522,7 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, laye
                 for fb, (kc, vc) in zip(fbs, bufs):
                     out, o = fb.core(out, off, kc, vc, kc)
             else:
-                out, o, *stamped = C.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs],
+                out, o, *stamped = layer.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs],
                                                    stamps=mode == "stamped")
             mx.eval(out, o)
             results.append((out, o, bufs))
@@ -514,7 +536,7 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, laye
         for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
             assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
     st, groups = np.asarray(stamped[0]), stamped[1]
-    assert len(groups) == layers * C.LAYER_GROUPS and st.shape == (sum(groups), 3)
+    assert len(groups) == layers * layer.LAYER_GROUPS and st.shape == (sum(groups), 3)
     assert (st != 0x7F7F7F7F7F7F7F7F).all() and (st[:, 0] < st[:, 1]).all(), "a block was not stamped"
     assert ((st[:, 2] >= 0) & (st[:, 2] < 1024)).all(), "an SM id out of range"
     bounds = np.cumsum([0, *groups])
@@ -522,15 +544,14 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, laye
     fb = fbs[0]
     for g in range(1, len(ends)):
         waited = np.ones(len(ends[g]), bool)
-        if g % C.LAYER_GROUPS == 1:   # attention: a split past the valid length exits before its wait
+        if g % layer.LAYER_GROUPS == 1:   # attention: a split past the valid length exits before its wait
             i = np.arange(len(waited))
             nsplit = len(waited) // (fb.HKV * (fb.H // fb.HKV // fb.gb) * batch * L)
             n = P + (i // (len(waited) // (batch * L))) % L + 1   # positions of block i's query
-            chunk = np.maximum(-(-n // nsplit), C.ATTN_MINCH)
+            chunk = np.maximum(-(-n // nsplit), A.ATTN_MINCH)
             waited = i % nsplit < -(-n // chunk)
         assert ends[g][waited].min() > ends[g - 1].max(), f"group {g} ended before group {g - 1}"
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from cuda_layer_phases import phase_rows
+    from mlx_fastops.backends.cuda.phases import phase_rows
     rows = phase_rows(st, groups)
     # blocks of several groups enter within one tick of the first: the earliest is any group's
     assert len(rows) == len(groups) and min(r[0] for r in rows) == 0.0
@@ -540,19 +561,19 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, prefetch, laye
 
 @pytest.mark.parametrize("late_entry,late,per_sm", [(16, [0, 1], 2), (11, [0, 0], 3)])
 def test_phase_stamps_second_wave_and_residency(late_entry, late, per_sm):
-    """cuda_layer_phases' late_blocks counts a group's blocks that entered after one of its own had
-    ended; residency gives the most blocks alive at once (in the launch, on one SM) and the SMs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from cuda_layer_phases import late_blocks, residency
+    """phases.late_blocks counts a group's blocks that entered after one of its own had ended;
+    residency gives the most blocks alive at once (in the launch, on one SM) and the SMs."""
+    from mlx_fastops.backends.cuda.phases import late_blocks, residency
     st = np.array([(0, 10, 0), (0, 12, 1),                         # group 0
                    (1, 20, 0), (1, 15, 1), (late_entry, 25, 1)])   # group 1: its block 1 ends at 15
     assert late_blocks(st, [2, 3]) == late
     assert residency(st) == (4, per_sm, 2)
 
 
-def test_decode_step_with_layer_groups(monkeypatch):
-    """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with layer_groups
-    (the default) gives the same logits as with one launch per layer."""
+def test_decode_step_with_layers_sharing_launches(monkeypatch):
+    """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with both layers
+    in one launch (the default for small layers) gives the same logits as with one launch per layer
+    (layers above GROUP_MAX_WEIGHTS); the report's compile row says how many launches."""
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
@@ -561,12 +582,13 @@ def test_decode_step_with_layer_groups(monkeypatch):
     logits = []
     mx.disable_compile()
     try:
-        for disable in ((), ("layer_groups",)):
+        for limit, runs, note in ((block.GROUP_MAX_WEIGHTS, [(0, 2)], "2 layers in 1 launch"),
+                                  (0, [(0, 1), (1, 1)], "2 layers in 2 launches")):
+            monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
             model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=4)
-            report = mlx_fastops.patch(model, disable=disable)
-            assert any(e.fusion == "compile" and e.status == "fused" for e in report.entries)
-            runs = C.launch_runs(model.model._fastops_blocks)
-            assert runs == ([(0, 1), (1, 1)] if disable else [(0, 2)]), runs
+            report = mlx_fastops.patch(model)
+            assert [(e.status, e.reason) for e in report.entries if e.fusion == "compile"] == [("fused", note)]
+            assert step.launch_runs(model.model._fastops_blocks) == runs
             logits.append(fidelity.forced_logits(model, prompt, [7, 99, 1234]))
             assert "_fastops_off" in model.model.__dict__, "the decode step was not used"
             mlx_fastops.unpatch(model)
@@ -576,29 +598,19 @@ def test_decode_step_with_layer_groups(monkeypatch):
     assert mx.array_equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize("loop,most,runs", [(True, None, [(0, 1), (1, 6), (7, 2), (9, 1)]),
-                                           (True, 4, [(0, 1), (1, 4), (5, 2), (7, 2), (9, 1)]),
-                                           (False, None, [(0, 1), (1, 4), (5, 2), (7, 2), (9, 1)]),
-                                           (False, 2, [(0, 1), (1, 2), (3, 2), (5, 2), (7, 2), (9, 1)])])
-def test_launch_runs(loop, most, runs, monkeypatch):
-    """Consecutive groupable layers of one launch key share a launch: all of them with layer_loop,
-    at most UNLOOPED_LAYERS_MAX without it, at most LAYERS_PER_LAUNCH either way; a layer that is
-    not groupable, or of another key, starts a new launch."""
+def test_launch_runs():
+    """Consecutive groupable layers of one launch key share a launch; a layer that is not
+    groupable, or of another key, starts a new launch."""
     from types import SimpleNamespace
-    monkeypatch.setattr(C, "LAYERS_PER_LAUNCH", most)
     keys = [1, 1, 1, 1, 1, 1, 1, 2, 2, 2]
-    fasts = [SimpleNamespace(group_layers=i != 0, loop=loop, launch_key=lambda k=k: k) for i, k in enumerate(keys)]
-    fasts[9].group_layers = False
-    assert C.launch_runs(fasts) == runs
+    fasts = [SimpleNamespace(grouped=i not in (0, 9), launch_key=lambda k=k: k) for i, k in enumerate(keys)]
+    assert step.launch_runs(fasts) == [(0, 1), (1, 6), (7, 2), (9, 1)]
 
 
-@pytest.mark.parametrize("limit,disable,one_launch,groups", [(1.0, (), True, True), (0.99, (), True, False),
-                                                             (1.0, ("layer_groups",), True, False),
-                                                             (1.0, ("layer_kernel",), False, False)])
-def test_layer_groups_chosen_by_layer_size(limit, disable, one_launch, groups, monkeypatch):
-    """One launch per layer unless layer_kernel is disabled; several layers per launch for layers
-    of up to GROUP_MAX_WEIGHTS (where the H200 measured it faster; the limit is set here relative
-    to the tiny layer's size). The patch report says which and why."""
+@pytest.mark.parametrize("limit,grouped", [(1.0, True), (0.99, False)])
+def test_layers_grouped_by_layer_size(limit, grouped, monkeypatch):
+    """Layers of up to GROUP_MAX_WEIGHTS may share a launch (where the H200 measured it faster;
+    the limit is set here relative to the tiny layer's size)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -608,18 +620,12 @@ def test_layer_groups_chosen_by_layer_size(limit, disable, one_launch, groups, m
     D = c.head_dim
     weights = c.hidden_size * (D * (c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * c.intermediate_size) \
         + D * c.num_attention_heads * c.hidden_size
-    monkeypatch.setattr(C, "GROUP_MAX_WEIGHTS", int(limit * weights))
-    report = mlx_fastops.patch(model, disable=("compile", *disable))   # the emulator cannot be traced
+    monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", int(limit * weights))
+    report = mlx_fastops.patch(model, disable=("compile",))   # the emulator cannot be traced
     try:
         fb = model.model.layers[0].fast_fn
-        assert fb.weights == weights and fb.one_launch is one_launch and fb.group_layers is groups
-        assert fb.prefetch is fb.wait_load is fb.attn_prefetch is one_launch
-        for fusion, fused, why in (("layer_kernel", one_launch, "disabled"),
-                                   ("layer_groups", groups, "disabled" if disable == ("layer_groups",) else
-                                    "layer_kernel disabled" if disable else "measured no faster")):
-            entries = [e for e in report.entries if e.fusion == fusion]
-            assert len(entries) == c.num_hidden_layers
-            assert all(e.status == ("fused" if fused else "skipped") for e in entries)
-            assert fused or why in entries[0].reason, entries[0].reason
+        assert fb.weights == weights and fb.grouped is grouped
+        entries = [e for e in report.entries if e.fusion == "fast_decode"]
+        assert len(entries) == c.num_hidden_layers and all(e.status == "fused" for e in entries)
     finally:
         mlx_fastops.unpatch(model)

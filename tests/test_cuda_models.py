@@ -123,9 +123,9 @@ REAL = ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.2-1b", "qwen2.5-0.5b"]
 @pytest.mark.parametrize("name", REAL)
 def test_fast_block_real_sizes(name, monkeypatch):
     """One decoder block at real sizes, one decode token after a 260-position cache: the fused
-    block (5 launches, cache written in place) against the stock mlx-lm block on a KVCache."""
+    block (one launch, cache written in place) against the stock mlx-lm block on a KVCache."""
     from mlx_lm.models.cache import KVCache
-    from mlx_fastops.backends.cuda import StaticKVCache
+    from mlx_fastops.backends.cuda.cache import StaticKVCache
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     model = synthetic_model(name, bits=4, layers=1, seed=4)
@@ -214,16 +214,55 @@ def test_qwen3_0p6b_patched_at_least_as_close_to_fp32_as_stock(monkeypatch):
 @pytest.mark.parametrize("name,layers", [("qwen3-0.6b", 8), ("llama-3.2-1b", 8)])
 def test_layers_in_one_launch_bitwise_at_real_sizes(name, layers, monkeypatch):
     """All layers of a real-size model in one launch give exactly the per-layer launches' output and
-    cache rows, and the same again on a rerun (what the emulator's tiny models cannot show: NVRTC
-    inlines a tiny launch whole; without layer_loop an 8-layer launch called out-of-line copies of
-    phases, which rounded differently: 1-3 of 4 trials differed)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from cuda_layers_bitwise import decode_mismatches, layer_mismatches
+    cache rows, and the same again on a rerun; the compiled decode step's logits are the same with
+    every layer in one launch as with one per launch (what the emulator's tiny models cannot show:
+    NVRTC inlines a tiny launch whole, while a long launch with a call site per layer had out-of-line
+    phases that rounded differently)."""
+    from mlx_fastops.backends.cuda import block, layer, source, step
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    assert layer_mismatches(name, layers, 3) == {"out": 0, "rerun": 0, "cache": 0}
-    # the compiled decode step: every layer in one launch, one per launch, 4 per launch (layer_loop off)
-    diffs = decode_mismatches(name, steps=12, layers=layers)
-    assert len(diffs) == 3 and all(d == (0, 0, 0) for d in diffs.values()), diffs
+    model = synthetic_model(name, bits=4, layers=layers, dtype=mx.bfloat16)
+    mlx_fastops.patch(model, disable="compile")
+    try:
+        fbs = [b.fast_fn for b in model.model.layers]
+        D, HKV, K = fbs[0].D, fbs[0].HKV, model.args.hidden_size
+        for trial in range(3):
+            caches = [[mx.random.normal((1, HKV, 1024, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
+            x = (4 * mx.random.normal((1, 1, K))).astype(mx.bfloat16)
+            off = source.offset_array(600 + 37 * trial)
+            runs = []
+            for together in (False, True, True):   # per layer, one launch, its rerun
+                bufs = [(kc + 0, vc + 0) for kc, vc in caches]
+                mx.eval(bufs)
+                if together:
+                    out, _ = layer.layers_launch(fbs, x, off, [(kc, vc, kc) for kc, vc in bufs])
+                else:
+                    out = x
+                    for fb, (kc, vc) in zip(fbs, bufs):
+                        out, _ = fb.core(out, off, kc, vc, kc)
+                mx.eval(out)
+                runs.append((out, bufs))
+            (out1, bufs1), *launched = runs
+            for run, (out2, bufs2) in enumerate(launched):
+                assert mx.array_equal(out1, out2), f"trial {trial}, run {run}: output differs"
+                for j, ((k1, v1), (k2, v2)) in enumerate(zip(bufs1, bufs2)):
+                    assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2), f"trial {trial}: layer {j}'s cache"
+    finally:
+        mlx_fastops.unpatch(model)
+    # the compiled decode step, teacher-forced: every layer in one launch, then one per launch
+    prompt = mx.random.randint(0, 1000, (64,), key=mx.random.key(1))
+    tokens = mx.random.randint(0, 1000, (12,), key=mx.random.key(2))
+    logits = {}
+    for limit in (block.GROUP_MAX_WEIGHTS, 0):
+        monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
+        m = synthetic_model(name, bits=4, layers=layers, dtype=mx.bfloat16)
+        mlx_fastops.patch(m)
+        per_launch = max(n for _, n in step.launch_runs([b.fast_fn for b in m.model.layers]))
+        logits[per_launch] = [fidelity.forced_logits(m, prompt, tokens) for _ in range(2)]
+        mx.eval(logits[per_launch])
+        del m
+    assert sorted(logits) == [1, layers]
+    first = logits[layers][0]
+    for per_launch, runs in logits.items():
+        for run in runs:
+            assert mx.array_equal(first, run), f"{per_launch} layer(s) per launch"
