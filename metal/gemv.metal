@@ -5,12 +5,11 @@
 // negative: nothing below depends on their sign.
 //
 // Sections (`// ==== <name> ====` lines, split by mlx_fastops.kernels.sections): `header` is the
-// kernel header (shared helpers); the body of kernel KIND (gemv, gate_up, qkv) is
-// `constexpr bool I8 = <variant is int8>;` + `prologue` + section KIND, assembled by
-// mlx_fastops/backends/metal/gemv.py. MLX writes the kernel signature around each body
-// (template <typename T, int BITS, int MR>, inputs x, w, scales, biases, bias, params).
+// kernel header (shared helpers); the body of kernel KIND (gemv, gate_up, qkv) is `prologue` +
+// section KIND, assembled by mlx_fastops/backends/metal/gemv.py. MLX writes the kernel signature
+// around each body (template <typename T, int BITS, int MR>, inputs x, w, scales, biases, bias, params).
 //
-// Work split (both variants):
+// Work split:
 //   threadgroup = 2 SIMD-groups (64 threads); each SIMD-group owns FO_ROWS = 4 weight rows, so a
 //   threadgroup reads 8 weight rows. Each lane takes VPL = 64/BITS values per row per step, i.e.
 //   exactly one 8-byte ushort4 load per row (16 nibbles or 8 bytes); a SIMD-group covers
@@ -19,13 +18,8 @@
 //   dequantises once per (row, group chunk): acc += scale * dot(x, q) + bias * sum(x).
 //   The input block of all MR activation rows is staged once per step in threadgroup memory and
 //   shared by both SIMD-groups (and reused for all 4 rows and, for gate/up, both halves).
-//
-// Variants:
-//   prescaled (default): x staged as float, pre-multiplied by 1, 1/16, 1/256, 1/4096 (4-bit) or
-//     1, 1/256 (8-bit) so the nibbles/bytes are used masked but never shifted (MLX qmv_fast trick).
-//   int8: each activation row is quantised to int8 (absmax/127, per row, computed in-kernel), the
-//     inner loop multiplies int8 x masked integer weights into int32 (MNN step 2); per lane chunk
-//     result += scale * x_scale * isum + bias * sum(x) (raw float sum).
+//   x is staged as float, pre-multiplied by 1, 1/16, 1/256, 1/4096 (4-bit) or 1, 1/256 (8-bit), so
+//   the nibbles/bytes are used masked but never shifted (MLX's qmv_fast trick).
 //
 // params (int32, 9): K, group_size, M (activation rows), has_bias, N0, N1, N2, T0, T1
 //   plain:   N0 = N;                    tiles of 8 rows
@@ -57,100 +51,21 @@ inline float4 fo_unpack(ushort4 wv, int j) {
   }
 }
 
-// int8 variant: per-row absmax of x (whole row, in this threadgroup), then int8 staging.
-// xmax must hold 2 * MR floats; xscl receives the MR dequantisation scales (absmax / 127).
-template <typename T, int MR>
-inline void fo_row_scales(const device T* x, int M, int K, int tid, int sg, int ln,
-                          threadgroup float* xmax, thread float* xscl) {
-  for (int m = 0; m < MR; m++) {
-    float a = 0.0f;
-    if (m < M) {
-      for (int k = tid; k < K; k += FO_TG) {
-        a = max(a, abs(float(x[m * K + k])));
-      }
-    }
-    a = simd_max(a);
-    if (ln == 0) {
-      xmax[2 * m + sg] = a;
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int m = 0; m < MR; m++) {
-    float a = max(xmax[2 * m], xmax[2 * m + 1]);
-    xscl[m] = a > 0.0f ? a / 127.0f : 1.0f;
-  }
-}
-
-// Integer dot of one 8-byte weight chunk with the lane's int8 inputs; masks only, the powers of
-// 16 (4-bit) / 256 (8-bit) are removed once at the end (exact: each partial sum is a multiple).
-template <int BITS, int NQ>
-inline int fo_idot(ushort4 wv, const thread char4* xv) {
-  if (BITS == 4) {
-    int i0 = 0, i1 = 0, i2 = 0, i3 = 0;
-    for (int j = 0; j < NQ; j++) {
-      int u = int(wv[j]);
-      int4 xi = int4(xv[j]);
-      i0 += xi.x * (u & 0x000f);
-      i1 += xi.y * (u & 0x00f0);
-      i2 += xi.z * (u & 0x0f00);
-      i3 += xi.w * (u & 0xf000);
-    }
-    return i0 + (i1 >> 4) + (i2 >> 8) + (i3 >> 12);
-  } else {
-    int i0 = 0, i1 = 0;
-    for (int j = 0; j < NQ; j++) {
-      int a = int(wv[2 * j]);
-      int b = int(wv[2 * j + 1]);
-      int4 xi = int4(xv[j]);
-      i0 += xi.x * (a & 0x00ff) + xi.z * (b & 0x00ff);
-      i1 += xi.y * (a & 0xff00) + xi.w * (b & 0xff00);
-    }
-    return i0 + (i1 >> 8);
-  }
-}
-
-// What the two variants differ in, as the specialisations fo_var<BITS, I8>:
-//   X          staged input element (float4 prescaled values or char4 int8 values), NQ per lane chunk;
-//   factor     what row m's inputs are multiplied by when staged (prescale pattern or 1 / x_scale);
-//   stage      a float4 of inputs times the factor, as stored;
-//   chunk_dot  one lane's dot product of an 8-byte weight chunk with its NQ staged values;
-//   scale      what chunk_dot is multiplied by (the group scale, times x_scale for int8).
-// A lane chunk of row r, activation row m adds scale * chunk_dot + bias * sum(x) to its accumulator.
-template <int BITS, bool I8>
-struct fo_var;
-
+// Dot product of one lane's 8-byte weight chunk with its 16 / BITS staged (prescaled) inputs.
 template <int BITS>
-struct fo_var<BITS, false> {
-  typedef float4 X;
-  static float4 factor(const thread float* xscl, int m) { return fo_prescale<BITS>(); }
-  static X stage(float4 v, float4 f) { return v * f; }
-  static float chunk_dot(ushort4 wv, const thread X* xv) {
-    float d = 0.0f;
-    for (int j = 0; j < 16 / BITS; j++) {
-      d += dot(xv[j], fo_unpack<BITS>(wv, j));
-    }
-    return d;
+inline float fo_chunk_dot(ushort4 wv, const thread float4* xv) {
+  float d = 0.0f;
+  for (int j = 0; j < 16 / BITS; j++) {
+    d += dot(xv[j], fo_unpack<BITS>(wv, j));
   }
-  static float scale(float sc, const thread float* xscl, int m) { return sc; }
-};
-
-template <int BITS>
-struct fo_var<BITS, true> {
-  typedef char4 X;
-  static float4 factor(const thread float* xscl, int m) { return float4(1.0f / xscl[m]); }
-  static X stage(float4 v, float4 f) {
-    return char4(clamp(rint(v * f), float4(-127.0f), float4(127.0f)));
-  }
-  static float chunk_dot(ushort4 wv, const thread X* xv) { return float(fo_idot<BITS, 16 / BITS>(wv, xv)); }
-  static float scale(float sc, const thread float* xscl, int m) { return sc * xscl[m]; }
-};
+  return d;
+}
 
 // Stage one K block of the MR activation rows: lane-major (xs[(m * NQ + j) * 32 + lane]) so
-// SIMD-group reads are contiguous, plus the raw sum per lane chunk. xscl: int8 row scales.
-template <typename T, int BITS, int MR, bool I8>
-inline void fo_stage(const device T* x, int M, int K, int k0, int tid, const thread float* xscl,
-                     threadgroup typename fo_var<BITS, I8>::X* xs, threadgroup float* xsum) {
-  typedef fo_var<BITS, I8> V;
+// SIMD-group reads are contiguous, plus the raw sum per lane chunk.
+template <typename T, int BITS, int MR>
+inline void fo_stage(const device T* x, int M, int K, int k0, int tid, threadgroup float4* xs,
+                     threadgroup float* xsum) {
   const int VPL = 64 / BITS;
   const int NQ = VPL / 4;
   for (int jb = tid; jb < MR * 32; jb += FO_TG) {
@@ -160,41 +75,35 @@ inline void fo_stage(const device T* x, int M, int K, int k0, int tid, const thr
     float s = 0.0f;
     if (m < M && k < K) {
       const device T* xp = x + m * K + k;
-      float4 f = V::factor(xscl, m);
+      float4 f = fo_prescale<BITS>();
       for (int j = 0; j < NQ; j++) {
         float4 v = float4(float(xp[4 * j]), float(xp[4 * j + 1]), float(xp[4 * j + 2]),
                           float(xp[4 * j + 3]));
         s += (v.x + v.y) + (v.z + v.w);
-        xs[(m * NQ + j) * 32 + ln] = V::stage(v, f);
+        xs[(m * NQ + j) * 32 + ln] = v * f;
       }
     } else {
       for (int j = 0; j < NQ; j++) {
-        xs[(m * NQ + j) * 32 + ln] = typename V::X(0);
+        xs[(m * NQ + j) * 32 + ln] = float4(0);
       }
     }
     xsum[m * 32 + ln] = s;
   }
 }
 
-// GEMV core of both variants. rows: the SIMD-group's FO_ROWS weight rows (already clamped to valid
-// rows). res[r * MR + m] receives the full dot product of row r with activation row m, in every lane.
-// xmax: 2 * MR floats of scratch for the int8 row scales (unused by prescaled).
-template <typename T, int BITS, int MR, bool I8>
+// GEMV core. rows: the SIMD-group's FO_ROWS weight rows (already clamped to valid rows).
+// res[r * MR + m] receives the full dot product of row r with activation row m, in every lane.
+template <typename T, int BITS, int MR>
 inline void fo_gemv(const device T* x, const device uint32_t* w,
                     const device T* scales, const device T* biases,
                     int K, int GS, int M, const thread int* rows,
-                    threadgroup typename fo_var<BITS, I8>::X* xs, threadgroup float* xsum,
-                    threadgroup float* xmax, int tid, int sg, int ln, thread float* res) {
-  typedef fo_var<BITS, I8> V;
+                    threadgroup float4* xs, threadgroup float* xsum, int tid, int ln,
+                    thread float* res) {
   const int VPL = 64 / BITS;
   const int NQ = VPL / 4;
   const int BLOCK = 32 * VPL;
   const int G = K / GS;
   const int W8 = K / VPL;  // 8-byte words per weight row
-  float xscl[MR];
-  if (I8) {
-    fo_row_scales<T, MR>(x, M, K, tid, sg, ln, xmax, xscl);
-  }
   float acc[FO_ROWS * MR];
   for (int i = 0; i < FO_ROWS * MR; i++) {
     acc[i] = 0.0f;
@@ -202,7 +111,7 @@ inline void fo_gemv(const device T* x, const device uint32_t* w,
   const device ushort4* w8 = (const device ushort4*)w;
   for (int k0 = 0; k0 < K; k0 += BLOCK) {
     threadgroup_barrier(mem_flags::mem_threadgroup);  // previous block fully consumed
-    fo_stage<T, BITS, MR, I8>(x, M, K, k0, tid, xscl, xs, xsum);
+    fo_stage<T, BITS, MR>(x, M, K, k0, tid, xs, xsum);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     int k = k0 + ln * VPL;
     if (k < K) {
@@ -216,13 +125,13 @@ inline void fo_gemv(const device T* x, const device uint32_t* w,
         bi[r] = float(biases[rows[r] * G + g]);
       }
       for (int m = 0; m < MR; m++) {
-        typename V::X xv[NQ];
+        float4 xv[NQ];
         for (int j = 0; j < NQ; j++) {
           xv[j] = xs[(m * NQ + j) * 32 + ln];
         }
         float xsm = xsum[m * 32 + ln];
         for (int r = 0; r < FO_ROWS; r++) {
-          acc[r * MR + m] += V::scale(sc[r], xscl, m) * V::chunk_dot(wv[r], xv) + bi[r] * xsm;
+          acc[r * MR + m] += sc[r] * fo_chunk_dot<BITS>(wv[r], xv) + bi[r] * xsm;
         }
       }
     }
@@ -288,10 +197,8 @@ inline void fo_write(device T* dst, int n, int M, int ln, const thread int* outs
 }
 
 // ==== prologue ====
-typedef typename fo_var<BITS, I8>::X FoX;  // staged input element of the variant
-threadgroup FoX xs[MR * (16 / BITS) * 32];
+threadgroup float4 xs[MR * (16 / BITS) * 32];
 threadgroup float xsum[MR * 32];
-threadgroup float xmax[I8 ? MR * 2 : 1];
 int tid = int(thread_index_in_threadgroup);
 int sg = int(simdgroup_index_in_threadgroup);
 int ln = int(thread_index_in_simdgroup);
@@ -307,7 +214,7 @@ int N = params[4];
 int rows[FO_ROWS];
 int outs[FO_ROWS];
 fo_plain_rows(tile, sg, N, rows, outs);
-fo_gemv<T, BITS, MR, I8>(x, w, scales, biases, K, GS, M, rows, xs, xsum, xmax, tid, sg, ln, res);
+fo_gemv<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xs, xsum, tid, ln, res);
 fo_write<T, MR>(out, N, M, ln, outs, outs, res, has_bias, bias);
 
 // ==== gate_up ====
@@ -315,7 +222,7 @@ int NI = params[4];
 int rows[FO_ROWS];
 int outs[2];
 fo_gate_up_rows(tile, sg, NI, rows, outs);
-fo_gemv<T, BITS, MR, I8>(x, w, scales, biases, K, GS, M, rows, xs, xsum, xmax, tid, sg, ln, res);
+fo_gemv<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xs, xsum, tid, ln, res);
 for (int r = 0; r < 2; r++) {
   for (int m = 0; m < MR; m++) {
     if (ln == r * MR + m && outs[r] < NI && m < M) {
@@ -338,5 +245,5 @@ fo_plain_rows(seg_tile, sg, seg_n, rows, outs);
 for (int r = 0; r < FO_ROWS; r++) {
   rows[r] += seg_row0;
 }
-fo_gemv<T, BITS, MR, I8>(x, w, scales, biases, K, GS, M, rows, xs, xsum, xmax, tid, sg, ln, res);
+fo_gemv<T, BITS, MR>(x, w, scales, biases, K, GS, M, rows, xs, xsum, tid, ln, res);
 fo_write<T, MR>(dst, seg_n, M, ln, outs, rows, res, has_bias, bias);

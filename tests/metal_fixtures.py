@@ -7,6 +7,8 @@
 - fixture `metal_kernel_factory`: that factory (same signature as mx.fast.metal_kernel), for tests that
   build kernels themselves. Using it implies the `metal` marker's behaviour.
 - fixture `metal_backend`: "metal" or "emulator".
+- `metal_factory()`: (factory, "metal" or "emulator"), or a skip; `strict_factory(emu)`: a factory
+  whose kernels only strict-compile each instantiation they are called with.
 - results are labelled: the terminal summary counts tests that were "emulator-verified" and tests that
   ran on the real Metal GPU; each test's report carries a `metal_backend` user property.
 
@@ -37,7 +39,8 @@ def metal_available():
         return False
 
 
-def _factory_and_backend():
+def metal_factory():
+    """(mx.fast.metal_kernel, "metal") where Metal exists, else (metal_emu.metal_kernel, "emulator")."""
     if metal_available():
         return mx.fast.metal_kernel, "metal"
     if os.environ.get("METAL_EMU_DISABLE") == "1":
@@ -59,13 +62,13 @@ def _use_package_factory(factory):
 
 @pytest.fixture
 def metal_backend(request):
-    _, backend = _factory_and_backend()
+    _, backend = metal_factory()
     return backend
 
 
 @pytest.fixture
 def metal_kernel_factory(request):
-    factory, backend = _factory_and_backend()
+    factory, backend = metal_factory()
     request.node.user_properties.append(("metal_backend", EMULATOR_LABEL if backend == "emulator" else GPU_LABEL))
     ctx = _use_package_factory(factory)
     if ctx is None:
@@ -75,10 +78,26 @@ def metal_kernel_factory(request):
         yield factory
 
 
+def strict_factory(emu):
+    """A metal_kernel factory whose kernels strict-compile each call's instantiation and return zeros."""
+
+    def factory(**spec):
+        def call(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None, **_):
+            emu.compile_strict(**spec, inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                               template=template, grid=grid, threadgroup=threadgroup, init_value=init_value)
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    return factory
+
+
 @pytest.fixture(autouse=True)
 def _metal_marker(request):
-    """Tests marked `metal` get the factory installed even if they do not ask for the fixture."""
-    if request.node.get_closest_marker("metal") is None or "metal_kernel_factory" in request.fixturenames:
+    """Tests marked `metal` get the factory installed even if they do not ask for the fixture (the
+    `backend` fixture of conftest.py installs its own)."""
+    if (request.node.get_closest_marker("metal") is None
+            or {"metal_kernel_factory", "backend"} & set(request.fixturenames)):
         yield
         return
     request.getfixturevalue("metal_kernel_factory")

@@ -1,12 +1,10 @@
-"""CUDA kernels (cuda/*.cu) against the reference, on fresh random inputs.
+"""The CUDA kernels' own paths, beyond the op table of tests/test_ops.py: bit-identity where two
+code paths must agree (x staged or not, blocking rules, layers per launch), the QKV head epilogue,
+the one-launch decoder layer and the decode step, on fresh random inputs.
 
 On a machine with MLX's CUDA backend the kernels run on the GPU (`pytest -m cuda`). Everywhere else
 the same tests run the same wrappers through the CPU emulator of tests/cuda_emu (CUDA-emulator-
 verified: logic, indexing, barriers and shuffles; not timing or inter-block races).
-
-Grid: dtypes fp16/bf16 (fp32 for the plain GEMV), bits 4/8, group sizes 32/64/128, 1-8 activation
-rows, sizes that are not tile multiples, negative scales (MLX's quantiser produces them), head_dim
-64/128/256, GQA 1/2/4/8, cache lengths crossing 256 and the split size.
 """
 
 import contextlib
@@ -77,38 +75,18 @@ def dense(w):
                          group_size=w.group_size, bits=w.bits)
 
 
-# (dtype, bits, gs, M, K, N): every dtype/bits/group at M=1, then 2-8 rows on a few classes
-GEMV_CASES = [(dt, b, g, 1, 1024, 4096) for dt in ("bfloat16", "float16") for b in (4, 8) for g in (32, 64, 128)]
-GEMV_CASES += [("bfloat16", 4, 64, 1, 192, 320), ("float16", 8, 128, 1, 2048, 1000),
-               ("bfloat16", 4, 64, 2, 2048, 1000), ("float16", 8, 32, 2, 320, 200),
-               ("bfloat16", 4, 128, 3, 1024, 1032), ("bfloat16", 8, 64, 4, 896, 4864),
-               ("float16", 4, 32, 5, 4096, 256), ("bfloat16", 4, 64, 8, 896, 4864),
-               ("float16", 8, 128, 8, 256, 40)]
-
-
-@pytest.mark.parametrize("dtype,bits,gs,M,K,N", GEMV_CASES)
-def test_gemv_plain(dtype, bits, gs, M, K, N):
+@pytest.mark.parametrize("dtype,bits,gs,M,K,N", [("bfloat16", 4, 64, 1, 1024, 4096), ("float16", 8, 32, 2, 320, 200),
+                                                ("bfloat16", 4, 128, 3, 1024, 1032), ("bfloat16", 8, 64, 8, 896, 4864)])
+def test_gemv_staged_x_keeps_bits(dtype, bits, gs, M, K, N):
+    """x converted once per block into shared memory or per warp at each k-step: the same values
+    in the same order, so the same bits (tests/test_ops.py checks the values against float32)."""
     dt = getattr(mx, dtype)
     w = packed(N, K, bits, gs, dt, bias=(M == 2))
-    assert (np.asarray(w.scales.astype(mx.float32)) < 0).any(), "expected some negative scales"
     x = mx.random.normal((M, K)).astype(dt)
+    assert G.x_stage(M, K, dt)
     y = G.gemv(x, w)
-    ref = x.astype(mx.float32) @ dense(w).T
-    if w.bias is not None:
-        ref = ref + w.bias.astype(mx.float32)
-    assert y.shape == (M, N) and y.dtype == dt
-    assert rel(y, ref) < 1e-2
-    with unstaged():   # x staged in shared memory or not: same bits
+    with unstaged():
         assert mx.array_equal(y, G.gemv(x, w))
-    if ON_GPU:
-        assert rel(y, R.linear(x, w)) < 2e-2
-
-
-def test_gemv_fp32():
-    w = packed(320, 192, 4, 64, mx.float32)
-    x = mx.random.normal((2, 192))
-    # the fp32 reference matmul itself may run in TF32 on the GPU
-    assert rel(G.gemv(x, w), x @ dense(w).T) < 2e-3
 
 
 @pytest.mark.parametrize("M,K,N,gs", [(1, 1024, 300, 64), (3, 448, 200, 32), (8, 2048, 72, 128)])
@@ -174,12 +152,6 @@ def test_folded_norm_matches_rms_norm(dtype, M, K):
     assert bool(G.x_stage(M, K, dt)) == (M * K <= G.STAGE_MAX_FLOATS)
     with unstaged():
         assert mx.array_equal(y, G.gemv(x, gu, epi=2, norm=(nw, 1e-6)))
-
-
-def test_rows_beyond_8_use_reference():
-    w = packed(256, 512, 4, 64, mx.bfloat16)
-    x = mx.random.normal((1, 9, 512)).astype(mx.bfloat16)
-    assert mx.array_equal(G.lm_head(x, w), R.lm_head(x, w))
 
 
 def _rope_ref(x, rope, offset):
@@ -249,40 +221,25 @@ def test_head_kernel(D, H, HKV, M, L, qknorm, freqs, bias):
         assert mx.array_equal(c[:, :, :off], c0[:, :, :off]) and mx.array_equal(c[:, :, off + L:], c0[:, :, off + L:])
 
 
-ATTN_CASES = [(dt, D, G) for D in (64, 128, 256) for G in (1, 2, 4, 8) for dt in ("bfloat16",)]
-ATTN_CASES += [("bfloat16", 64, 7), ("bfloat16", 128, 3)]   # Qwen2.5-0.5B's group of 7
-ATTN_CASES += [("float16", 128, 2), ("float16", 64, 8)]
-
-
-@pytest.mark.parametrize("dtype,D,G", ATTN_CASES)
-def test_decode_attention(dtype, D, G):
-    for B, length, S in [(1, 1, 256), (1, 255, 256), (2, 257, 512), (1, 1000, 1024), (2, 64, 1024), (1, 3000, 4096)]:
-        _check_attention(dtype, D, G, B, length, S)
-
-
-def _check_attention(dtype, D, G, B, length, S):
+@pytest.mark.parametrize("dtype,D,G,B,length,S", [("bfloat16", 128, 4, 1, 255, 256), ("float16", 64, 7, 2, 1000, 1024)])
+def test_decode_attention_tickets_lengths_and_views(dtype, D, G, B, length, S):
+    """What the op table (tests/test_ops.py) does not cover: a second call (the split tickets must
+    have been reset), the length as an array (the compiled step's), and a strided view of a larger
+    buffer (the kernel indexes by strides; MLX must not copy)."""
     dt = getattr(mx, dtype)
     HKV = 2
     H = HKV * G
     q = mx.random.normal((B, H, 1, D)).astype(dt)
-    kc = mx.random.normal((B, HKV, S, D)).astype(dt)
-    vc = mx.random.normal((B, HKV, S, D)).astype(dt)
-    scale = D ** -0.5
-    o = A.decode_attention(q, kc, vc, length, scale)
-    ref = R.decode_attention(q.astype(mx.float32), kc.astype(mx.float32), vc.astype(mx.float32), length, scale)
-    assert o.shape == (B, H, 1, D)
-    for b in range(B):
-        for h in range(H):   # per head: one bad split cannot hide in a whole-tensor norm
-            assert rel(o[b, h], ref[b, h]) < 1e-2, (b, h)
-    # again (the split tickets must have been reset), with the length as an array
-    o2 = A.decode_attention(q, kc, vc, mx.array(length), scale)
-    assert rel(o2, ref) < 1e-2
-    # a strided view of a larger buffer (kernel indexes by strides; MLX must not copy)
     big = mx.random.normal((2, B, HKV, S + 32, D)).astype(dt)
     kv, vv = big[0, :, :, 16:S + 16], big[1, :, :, 16:S + 16]
-    o3 = A.decode_attention(q, kv, vv, length, scale)
-    ref3 = R.decode_attention(q.astype(mx.float32), kv.astype(mx.float32), vv.astype(mx.float32), length, scale)
-    assert rel(o3, ref3) < 1e-2
+    scale = D ** -0.5
+    ref = R.decode_attention(q.astype(mx.float32), kv.astype(mx.float32), vv.astype(mx.float32), length, scale)
+    for n in (length, mx.array(length)):
+        o = A.decode_attention(q, kv, vv, n, scale)
+        assert o.shape == (B, H, 1, D)
+        for b in range(B):
+            for h in range(H):   # per head: one bad split cannot hide in a whole-tensor norm
+                assert rel(o[b, h], ref[b, h]) < 1e-2, (b, h)
 
 
 @pytest.mark.parametrize("L,G,gb,off", [(2, 4, None, 200), (5, 4, None, 200), (1, 4, 2, 0), (1, 4, 2, 900),

@@ -7,23 +7,14 @@ other than the weights' scales, runs the reference op instead (same result, stoc
 Static shape classes the kernels do not take (float weights, bits other than 4/8, group sizes other
 than 32/64/128, float32 models, tiny layers) are refused by the `unsupported_*` predicates, so the
 patcher falls back to the reference op and reports why.
-
-Variants (the same for every kernel of the family):
-  prescaled  default: float accumulation of pre-scaled x against masked nibbles, deferred dequant
-  int8       x quantised to int8 per row in-kernel, int8 x int4/int8 -> int32 inner loop
-Choose with MLX_FASTOPS_GEMV_VARIANT=prescaled|int8 (read at import; `set_variant` at run time).
-Per-kernel kill switches (MLX_FASTOPS_DISABLE):
-qkv_kernel, gate_up_kernel, lm_head_kernel send that fused op to the reference path (stacked
-weights + one stock quantized_matmul: the zero-kernel baseline), for A/B runs.
 """
 
 import functools
 import math
-import os
 
 import mlx.core as mx
 
-from ... import config, kernels
+from ... import kernels
 from .. import reference
 
 MAX_ROWS = 8
@@ -34,33 +25,9 @@ _OUTS_PER_TG_GATE_UP = 4  # outputs per threadgroup for gate/up (2 gate + 2 up r
 BITS = (4, 8)
 GROUPS = (32, 64, 128)
 DTYPES = (mx.float16, mx.bfloat16)
-VARIANTS = ("prescaled", "int8")
 
 _OUTPUTS = {"gemv": ["out"], "gate_up": ["y"], "qkv": ["q", "k", "v"]}
 INPUTS = ["x", "w", "scales", "biases", "bias", "params"]
-
-
-def _env_variant():
-    name = os.environ.get("MLX_FASTOPS_GEMV_VARIANT", "prescaled").strip().lower() or "prescaled"
-    if name not in VARIANTS:
-        raise ValueError(f"MLX_FASTOPS_GEMV_VARIANT={name!r}; expected one of {VARIANTS}")
-    return name
-
-
-_variant = _env_variant()
-
-
-def set_variant(name):
-    """Select the GEMV variant for later calls ("prescaled" or "int8"); returns the previous one."""
-    global _variant
-    if name not in VARIANTS:
-        raise ValueError(f"unknown GEMV variant {name!r}; expected one of {VARIANTS}")
-    old, _variant = _variant, name
-    return old
-
-
-def variant():
-    return _variant
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,28 +36,21 @@ def variant():
 
 @functools.lru_cache(maxsize=None)
 def sections():
-    """(header, {kernel name: body}) of metal/gemv.metal: one body per (kind, variant), the kind's
-    section after the shared `prologue`, the variant chosen by the `I8` constant in front."""
+    """(header, {kind: body}) of metal/gemv.metal: each body is the shared `prologue` followed by
+    the kind's section."""
     s = kernels.sections("metal", "gemv.metal")
-    bodies = {kernel_name(kind, var): f"constexpr bool I8 = {str(var == 'int8').lower()};\n"
-              + s["prologue"] + s[kind] for kind in _OUTPUTS for var in VARIANTS}
-    return s["header"], bodies
-
-
-def kernel_name(kind, var):
-    return kind if var == "prescaled" else f"{kind}_i8"
+    return s["header"], {kind: s["prologue"] + s[kind] for kind in _OUTPUTS}
 
 
 @kernels.cached_builder
-def build(kind, var, dtype):
-    """One kernel object per (kernel, variant, dtype): mlx#3662 advises against mixing dtypes."""
+def build(kind, dtype):
+    """One kernel object per (kernel, dtype): mlx#3662 advises against mixing dtypes."""
     header, bodies = sections()
-    name = kernel_name(kind, var)
     return kernels.metal_kernel(
-        name=f"fastops_{name}",
+        name=f"fastops_{kind}",
         input_names=INPUTS,
         output_names=_OUTPUTS[kind],
-        source=bodies[name],
+        source=bodies[kind],
         header=header,
     )
 
@@ -139,8 +99,8 @@ def _template(dtype, bits, m):
     return [("T", dtype), ("BITS", bits), ("MR", row_bucket(m))]
 
 
-def _launch(kind, x2, w, params, tiles, out_shapes, var):
-    kern = build(kind, var, x2.dtype)
+def _launch(kind, x2, w, params, tiles, out_shapes):
+    kern = build(kind, x2.dtype)
     bias, _ = _bias(w, x2.dtype)
     return kern(
         inputs=[x2, w.weight, w.scales, w.biases, bias, params],
@@ -156,7 +116,7 @@ def _launch(kind, x2, w, params, tiles, out_shapes, var):
 # ops (reference signatures)
 
 
-def gemv(x, w, var=None):
+def gemv(x, w):
     """x @ W^T (+ bias) for a quantised PackedLinear: [..., K] -> [..., N]."""
     x2 = _rows(x, w)
     if x2 is None:
@@ -164,7 +124,7 @@ def gemv(x, w, var=None):
     m, k = x2.shape
     n = w.out_features
     params = _params(k, w.group_size, m, w.bias is not None, n)
-    (out,) = _launch("gemv", x2, w, params, math.ceil(n / _ROWS_PER_TG), [(m, n)], var or _variant)
+    (out,) = _launch("gemv", x2, w, params, math.ceil(n / _ROWS_PER_TG), [(m, n)])
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -172,7 +132,7 @@ def lm_head(x, w):
     return gemv(x, w)
 
 
-def qkv_proj(x, w, var=None):
+def qkv_proj(x, w):
     x2 = _rows(x, w)
     if x2 is None:
         return reference.qkv_proj(x, w)
@@ -180,12 +140,12 @@ def qkv_proj(x, w, var=None):
     nq, nk, nv = w.splits
     tq, tk, tv = (math.ceil(n / _ROWS_PER_TG) for n in (nq, nk, nv))
     params = _params(k, w.group_size, m, w.bias is not None, nq, nk, nv, tq, tq + tk)
-    outs = _launch("qkv", x2, w, params, tq + tk + tv, [(m, nq), (m, nk), (m, nv)], var or _variant)
+    outs = _launch("qkv", x2, w, params, tq + tk + tv, [(m, nq), (m, nk), (m, nv)])
     lead = x.shape[:-1]
     return tuple(o.reshape(*lead, n) for o, n in zip(outs, (nq, nk, nv)))
 
 
-def gate_up_silu(x, w, var=None):
+def gate_up_silu(x, w):
     x2 = _rows(x, w)
     if x2 is None:
         return reference.gate_up_silu(x, w)
@@ -193,7 +153,7 @@ def gate_up_silu(x, w, var=None):
     ni = w.splits[0]
     params = _params(k, w.group_size, m, w.bias is not None, ni)
     tiles = math.ceil(ni / _OUTS_PER_TG_GATE_UP)
-    (y,) = _launch("gate_up", x2, w, params, tiles, [(m, ni)], var or _variant)
+    (y,) = _launch("gate_up", x2, w, params, tiles, [(m, ni)])
     return y.reshape(*x.shape[:-1], ni)
 
 
@@ -217,26 +177,24 @@ def unsupported_linear(in_features, splits, bits, group_size, dtype, bias=False,
     return None
 
 
-
-
 def unsupported_qkv_proj(**info):
     if len(info.get("splits", ())) != 3:
         return f"qkv needs 3 output segments, got {info.get('splits')}"
-    return config.switched_off("qkv_kernel") or unsupported_linear(**info)
+    return unsupported_linear(**info)
 
 
 def unsupported_gate_up_silu(**info):
     s = info.get("splits", ())
     if len(s) != 2 or s[0] != s[1]:
         return f"gate/up needs 2 equal output segments, got {s}"
-    return config.switched_off("gate_up_kernel") or unsupported_linear(**info)
+    return unsupported_linear(**info)
 
 
 def unsupported_lm_head(**info):
-    return config.switched_off("lm_head_kernel") or unsupported_linear(**info)
+    return unsupported_linear(**info)
 
 
 def instantiations():
-    """Every (kernel, variant, dtype, bits, row bucket) the wrappers can launch: the compile tier."""
-    return [(kind, var, dtype, bits, mr) for kind in _OUTPUTS for var in VARIANTS
-            for dtype in DTYPES for bits in BITS for mr in _ROW_BUCKETS]
+    """Every (kernel, dtype, bits, row bucket) the wrappers can launch: the compile tier."""
+    return [(kind, dtype, bits, mr) for kind in _OUTPUTS for dtype in DTYPES for bits in BITS
+            for mr in _ROW_BUCKETS]
