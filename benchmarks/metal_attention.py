@@ -122,9 +122,10 @@ def end_to_end(model_name, trials):
     for label, disable in (("attention family only", "qkv,gate_up,lm_head"), ("all fusions", "")):
         os.environ["MLX_FASTOPS_DISABLE"] = disable
         model = synthetic.synthetic_model(model_name, bits=4)
-        res = bench.run(model, model_name, [("pp", 512), ("pp", 2048), ("tg", 128)], trials=trials)
+        res = bench.run(model, model_name, prompts=(512, 2048), gen=128, trials=trials)
         out[label] = res
-        print(f"\n### {label} (MLX_FASTOPS_DISABLE={disable or '-'})\n\n" + bench.to_markdown(res))
+        doc = bench.document([res], prompts=[512, 2048], gen=128, trials=trials, warmup=1, disable=disable)
+        print(f"\n### {label} (MLX_FASTOPS_DISABLE={disable or '-'})\n\n" + bench.to_markdown(doc))
     os.environ.pop("MLX_FASTOPS_DISABLE", None)
     return out
 
