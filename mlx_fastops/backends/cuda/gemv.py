@@ -4,14 +4,19 @@
 
 Epilogues (EPI): 0 plain (+ bias), 1 + residual, 2 SiLU(gate) * up, 3 the QKV head (q/k norm, RoPE,
 k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj,
-gate_up_silu and lm_head run EPI 0 / 2; more rows (prefill) go to the reference (stock
-quantized_matmul). Per call the kernel is picked by its static shape class (dtype, rows, bits,
-group size, epilogue); K and N are read from the weight's shape at run time.
+gate_up_silu and lm_head run EPI 0 / 2 for up to MAX_ROWS rows; prefill-sized calls run dense
+matmuls on dequantised weights (prefill.py), the rows between stock quantized_matmul. Per call the
+kernel is picked by its static shape class (dtype, rows, bits, group size, epilogue); K and N are
+read from the weight's shape at run time.
 """
 
 import mlx.core as mx
+from mlx_lm.models.activations import swiglu
 
 from ...kernels import cached_builder, cuda_kernel
+from .. import reference
+from . import prefill
+from .prefill import PREFILL_MIN_ROWS
 from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
@@ -173,17 +178,20 @@ def unsupported_gate_up_silu(**info):
     return _unsupported_linear(**info) or ("bias on gate/up" if info.get("bias") else None)
 
 
-def _ref():
-    from .. import reference
-    return reference
+def _linear(x, w):
+    """x @ W^T for rows the GEMV does not take: prefill-sized calls through dense matmuls on
+    dequantised weights (prefill.py), the few rows between through stock quantized_matmul."""
+    if rows(x) >= PREFILL_MIN_ROWS and x.dtype == w.scales.dtype:
+        return prefill.linear(x, w)
+    return reference.linear(x, w)
 
 
 def qkv_proj(x, w):
     M = rows(x)
-    if M > MAX_ROWS or x.dtype != w.scales.dtype:
-        return _ref().qkv_proj(x, w)
-    y = gemv(x.reshape(M, -1), w)
     nq, nk, nv = w.splits
+    if M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return tuple(mx.split(_linear(x, w), [nq, nq + nk], axis=-1))
+    y = gemv(x.reshape(M, -1), w)
     lead = x.shape[:-1]
     return (y[:, :nq].reshape(*lead, nq), y[:, nq:nq + nk].reshape(*lead, nk),
             y[:, nq + nk:].reshape(*lead, nv))
@@ -192,12 +200,15 @@ def qkv_proj(x, w):
 def gate_up_silu(x, w):
     M = rows(x)
     if M > MAX_ROWS or x.dtype != w.scales.dtype:
-        return _ref().gate_up_silu(x, w)
+        gate, up = mx.split(_linear(x, w), 2, axis=-1)
+        return swiglu(gate, up)
     return gemv(x.reshape(M, -1), w, epi=2).reshape(*x.shape[:-1], w.splits[0])
 
 
 def lm_head(x, w):
     M = rows(x)
-    if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
-        return _ref().lm_head(x, w)
+    if not w.quantized:
+        return reference.lm_head(x, w)
+    if M > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _linear(x, w)
     return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)

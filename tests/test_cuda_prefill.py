@@ -1,0 +1,83 @@
+"""The CUDA backend's prefill projections (backends/cuda/prefill.py): dense matmuls on weights
+dequantised per call, against the float32 evaluation of the same quantised weights, no further
+from it than stock quantized_matmul (plus a rounding slack per dtype). Pure MLX ops: they run on
+any device (here MLX's CPU), on the H200 under `pytest -m cuda`."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_fastops.backends import reference
+from mlx_fastops.backends.cuda import gemv, prefill
+from mlx_fastops.ops.weights import PackedLinear
+
+pytestmark = [pytest.mark.cuda]
+TOL = {mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+
+def packed(N, K, bits, gs, dtype, bias=False, splits=None):
+    wq, s, b = mx.quantize(mx.random.normal((N, K)) * 0.05, group_size=gs, bits=bits)
+    return PackedLinear(wq, s.astype(dtype), b.astype(dtype),
+                        (0.1 * mx.random.normal((N,))).astype(dtype) if bias else None,
+                        tuple(splits or (N,)), K, bits, gs)
+
+
+def err(y, exact):
+    y = np.asarray(y.astype(mx.float32)).astype(np.float64)
+    assert np.isfinite(y).all()
+    return float(np.abs(y - exact).max() / np.abs(exact).max())
+
+
+def exact_of(x, w):
+    W = mx.dequantize(w.weight, w.scales.astype(mx.float32), w.biases.astype(mx.float32),
+                      group_size=w.group_size, bits=w.bits)
+    y = np.asarray(x.astype(mx.float32)).astype(np.float64) @ np.asarray(W).astype(np.float64).T
+    return y if w.bias is None else y + np.asarray(w.bias.astype(mx.float32))
+
+
+# (rows M, in K, out N, bits, group, dtype, bias): M not a tile multiple, K/N of the benchmark models'
+# projections (scaled down where the CPU would take long), 4/8 bits, groups 32/64/128
+CASES = [(64, 1024, 4096, 4, 64, mx.bfloat16, False), (100, 2560, 1536, 4, 128, mx.bfloat16, True),
+         (257, 896, 1152, 8, 32, mx.float16, True), (300, 4096, 640, 8, 64, mx.bfloat16, False),
+         (70, 320, 200, 4, 32, mx.float16, False)]
+
+
+@pytest.mark.parametrize("M,K,N,bits,gs,dtype,bias", CASES)
+def test_prefill_linear_as_close_as_stock(M, K, N, bits, gs, dtype, bias):
+    mx.random.seed(M)
+    w = packed(N, K, bits, gs, dtype, bias)
+    x = mx.random.normal((1, M, K)).astype(dtype)
+    exact = exact_of(x, w)
+    ours, stock = err(prefill.linear(x, w), exact), err(reference.linear(x, w), exact)
+    assert ours <= stock + TOL[dtype], (ours, stock)
+
+
+def test_wide_outputs_in_slices(monkeypatch):
+    """An output wider than one slice (lm_head's vocabulary) is computed a slice of rows at a time,
+    the last one partial, with the same values."""
+    w = packed(1000, 256, 4, 64, mx.bfloat16, bias=True)
+    x = mx.random.normal((2, 70, 256)).astype(mx.bfloat16)
+    whole = prefill.linear(x, w)
+    monkeypatch.setattr(prefill, "CHUNK_ELEMS", 300 * 256)   # slices of 300 rows: 300, 300, 300, 100
+    sliced = prefill.linear(x, w)
+    assert sliced.shape == whole.shape == (2, 70, 1000) and mx.array_equal(sliced, whole)
+
+
+@pytest.mark.parametrize("M,path", [(8, "gemv"), (9, "stock"), (63, "stock"), (64, "dense")])
+def test_rows_pick_the_path(M, path, monkeypatch):
+    """Up to MAX_ROWS rows the GEMV kernel, then stock quantized_matmul, from PREFILL_MIN_ROWS the
+    dense prefill path: seen by which of the three functions each op calls."""
+    seen, stock = [], reference.linear
+    monkeypatch.setattr(gemv, "gemv", lambda x, w, epi=0, **k: seen.append("gemv") or
+                        mx.zeros((x.shape[0], w.out_features // (2 if epi == 2 else 1)), x.dtype))
+    monkeypatch.setattr(prefill, "linear", lambda x, w: seen.append("dense") or stock(x, w))
+    monkeypatch.setattr(reference, "linear", lambda x, w: seen.append("stock") or stock(x, w))
+    qkv = packed(384, 256, 4, 64, mx.bfloat16, splits=(256, 64, 64))
+    gu = packed(512, 256, 4, 64, mx.bfloat16, splits=(256, 256))
+    x = mx.random.normal((1, M, 256)).astype(mx.bfloat16)
+    q, k, v = gemv.qkv_proj(x, qkv)
+    h = gemv.gate_up_silu(x, gu)
+    y = gemv.lm_head(x, qkv)
+    assert (q.shape, k.shape, v.shape, h.shape, y.shape) == ((1, M, 256), (1, M, 64), (1, M, 64), (1, M, 256),
+                                                             (1, M, 384))
+    assert seen == [path] * 3, seen
