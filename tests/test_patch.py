@@ -236,17 +236,17 @@ def _batched_greedy(model, prompt, left_padding, n):
     return mx.stack(out, axis=1).tolist()
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("metal", marks=pytest.mark.metal)])
-def test_batch_kv_cache_left_padding(backend, monkeypatch):
-    if backend == "metal":
+@pytest.mark.parametrize("path", ["reference", pytest.param("metal", marks=pytest.mark.metal)])
+def test_batch_kv_cache_left_padding(path, monkeypatch):
+    if path == "metal":
         import metal_emu
 
         monkeypatch.setattr(metal_emu.config, "schedules", "min")
-    monkeypatch.setenv("MLX_FASTOPS_BACKEND", backend)
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", path)
     monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
-    model = mlx_fastops.synthetic_model("qwen3-tiny", bits=4, dtype=mx.float16 if backend == "metal" else None)
+    model = mlx_fastops.synthetic_model("qwen3-tiny", bits=4, dtype=mx.float16 if path == "metal" else None)
     prompt = prompt_of(model, 2, 12, seed=5)
-    n = 3 if backend == "metal" else 24
+    n = 3 if path == "metal" else 24
     stock = _batched_greedy(model, prompt, [0, 5], n)
     mlx_fastops.patch(model)
     try:

@@ -11,6 +11,7 @@ The cache is read in place through its strides (mlx-lm's KVCache buffers, with r
 import mlx.core as mx
 
 from ...kernels import cached_builder, cuda_kernel
+from .. import reference
 from .source import HALF, OFF_WORDS, kernel_name, offset_array, source
 
 ATTN_WARPS = 4        # warps per attention block
@@ -85,17 +86,12 @@ def unsupported_decode_attention(head_dim=None, gqa=None, dtype=None, **_):
     return None
 
 
-def _ref():
-    from .. import reference
-    return reference
-
-
 def decode_attention(q, k_cache, v_cache, length, scale):
     B, H, L, D = q.shape
     if (L != 1 or q.dtype not in HALF or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
             or v_cache.shape != k_cache.shape
             or unsupported_decode_attention(D, H // k_cache.shape[1])):
-        return _ref().decode_attention(q, k_cache, v_cache, length, scale)
+        return reference.decode_attention(q, k_cache, v_cache, length, scale)
     if isinstance(length, mx.array):
         off = mx.pad((length.reshape(1) - 1).astype(mx.int32), (0, OFF_WORDS - 1))
     else:

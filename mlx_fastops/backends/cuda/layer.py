@@ -131,7 +131,7 @@ def _dispatch(calls, sizes, group, picks, reset, stamps):
     returns; the last phase ends with the counter reset lines `reset`."""
     lines, last = [], len(calls) - 1
     for p, (n, call) in enumerate(zip(sizes, calls)):
-        wrapped = p < last or bool(picks(p))
+        wrapped = p < last or bool(picks(p))   # one layer's last phase: every block left runs it
         lines += [f"  if (blk < {n}) {{"] if wrapped else []
         lines += picks(p) + [f"    {call};"] + (["    layer_stamp(stamps);"] if stamps else [])
         if p < last:
