@@ -35,9 +35,10 @@ from .config import backend_name
 from .models import quant_label
 
 
-def generation(model, prompt, n):
+def generation(model, prompt, n, tick=None, every=1.0):
     """One greedy generation of n tokens: (seconds to the first token, seconds for the other n - 1,
-    tokens, peak memory in bytes)."""
+    tokens, peak memory in bytes). tick(tokens so far), when given, is called at most every `every`
+    seconds (a clock read per token: well under a microsecond, against a decode step of ~1 ms)."""
     mx.synchronize()
     mx.reset_peak_memory()
     gc.collect()
@@ -45,14 +46,45 @@ def generation(model, prompt, n):
     try:
         tokens = []
         t0 = time.perf_counter()
+        next_tick = t0 + every
         for tok, _ in generate_step(prompt, model, max_tokens=n):
             tokens.append(int(tok))
             if len(tokens) == 1:
                 t_first = time.perf_counter()
+            if tick is not None and (now := time.perf_counter()) >= next_tick:
+                tick(len(tokens))
+                next_tick = now + every
         t_end = time.perf_counter()
     finally:
         gc.enable()
     return t_first - t0, t_end - t_first, tokens, mx.get_peak_memory()
+
+
+class Progress:
+    """bench's progress on stderr: on a terminal one line, rewritten; in a log a line per event.
+    `line` always prints (a generation's result); `tick` (where a generation is) prints at most
+    every `every` seconds, so a long step still moves and a log stays short."""
+
+    def __init__(self, label, every=None, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.label = label
+        self.every = every if every is not None else 1.0 if self.tty else 10.0
+        self.last = -float("inf")
+
+    def line(self, text):
+        end = "" if self.tty else "\n"
+        print(f"\r\033[K[bench] {self.label} {text}" if self.tty else f"[bench] {self.label} {text}",
+              end=end, file=self.stream, flush=True)
+        self.last = time.perf_counter()
+
+    def tick(self, text):
+        if time.perf_counter() - self.last >= self.every:
+            self.line(text)
+
+    def done(self):
+        if self.tty:
+            print("", file=self.stream)
 
 
 def _first_difference(base, tokens):
@@ -63,10 +95,15 @@ def _stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
-def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None):
+def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, tick=None, tick_every=1.0):
     """Time `variants`, a list of (name, model, prepare): prepare() (or None) puts the model in that
     variant's state before each of its generations; the first variant is the baseline of ratios and
-    agreement. Returns the rows: per prompt length, pp and (where gen > 0) tg."""
+    agreement. progress(text), when given, gets each generation's result; tick(text) where a
+    generation is (its prompt, then the tokens so far, at most every tick_every seconds). Returns
+    the rows: per prompt length, pp and (where gen > 0) tg."""
+    if not prompts or min(prompts) < 1 or gen < 0 or trials < 1 or warmup < 0:
+        raise ValueError(f"bench needs prompt lengths >= 1, gen >= 0, trials >= 1, warmup >= 0; got "
+                         f"{list(prompts)}, {gen}, {trials}, {warmup}")
     names = [v[0] for v in variants]
     vocab = variants[0][1].args.vocab_size
     rounds = warmup + trials
@@ -76,18 +113,41 @@ def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None):
         for r in range(rounds):
             prompt = mx.random.randint(0, vocab, (n_prompt,), key=mx.random.key(seed + 7919 * n_prompt + r))
             k = r % len(variants)
+            stage = "warm-up" if r < warmup else f"trial {r + 1 - warmup}/{trials}"
             for name, model, prepare in variants[k:] + variants[:k]:
                 if prepare is not None:
                     prepare()
-                run = generation(model, prompt, gen + 1)
+                where = f"p={n_prompt} {stage} {name}:"
+                tokens_so_far = None
+                if tick:
+                    tick(f"{where} prompt of {n_prompt} tokens")
+                    tokens_so_far = lambda done, where=where: tick(f"{where} {done}/{gen + 1} tokens")
+                run = generation(model, prompt, gen + 1, tokens_so_far, tick_every)
                 if r >= warmup:
                     runs[name].append(run)
                 if progress:
-                    stage = "warm-up" if r < warmup else f"trial {r + 1 - warmup}/{trials}"
                     tg = f" tg {gen / run[1]:8.2f}" if gen else ""
-                    progress(f"p={n_prompt} {stage} {name}: pp {n_prompt / run[0]:8.2f}{tg} tok/s")
+                    progress(f"{where} pp {n_prompt / run[0]:8.2f}{tg} tok/s")
         rows += _rows(n_prompt, gen, runs, names)
     return rows
+
+
+def estimate(model, prompts, gen, rounds, n_variants):
+    """How long a plan will take on this machine, from a forward pass timed now: a prefill of up to
+    32 tokens and one decode step after it, the prefill taken as linear in the prompt length (on a
+    CPU the matmuls dominate; attention's growth with the prompt is left out). Returns {"seconds",
+    "prefill_tokens", "prefill_s", "step_s"}."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    n = min(min(prompts), 32)
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    mx.eval(model(mx.zeros((1, n), mx.int32), cache=cache))
+    t1 = time.perf_counter()
+    mx.eval(model(mx.zeros((1, 1), mx.int32), cache=cache))
+    t2 = time.perf_counter()
+    per_round = sum(p * (t1 - t0) / n + gen * (t2 - t1) for p in prompts)
+    return {"seconds": n_variants * rounds * per_round, "prefill_tokens": n, "prefill_s": t1 - t0, "step_s": t2 - t1}
 
 
 def _rows(n_prompt, gen, runs, names):
@@ -123,14 +183,12 @@ def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=
     for name, copy, copy_disable in extra:
         reports[name] = patch(copy, disable=copy_disable).to_dict()
         variants.append((name, copy, None))
-    tty = sys.stderr.isatty()
-    say = None
-    if progress:   # one line, rewritten, on a terminal; a line per generation in a log
-        say = lambda text: print(f"\r\033[K[bench] {label} {text}" if tty else f"[bench] {label} {text}",
-                                 end="" if tty else "\n", file=sys.stderr, flush=True)
-    rows = compare(variants, prompts, gen, trials, warmup, seed, say)
-    if progress and tty:
-        print("", file=sys.stderr)
+    if progress:
+        say = Progress(label)
+        rows = compare(variants, prompts, gen, trials, warmup, seed, say.line, say.tick, say.every)
+        say.done()
+    else:
+        rows = compare(variants, prompts, gen, trials, warmup, seed)
     patch(model, disable=disable)
     return {"model": label, "quant": quant_label(model), "variants": [v[0] for v in variants], "rows": rows,
             "patch": reports}

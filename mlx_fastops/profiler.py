@@ -12,6 +12,7 @@ import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,6 +140,9 @@ def _importable(name):
 
 def profile(model, prompt_len=32, tokens=16, warmup=4):
     """Decode `tokens` steps after `prompt_len` random prompt tokens; returns a result dict."""
+    if prompt_len < 1 or tokens < 1 or warmup < 0:
+        raise ValueError(f"profile needs prompt_len >= 1, tokens >= 1 and warmup >= 0; got {prompt_len}, "
+                         f"{tokens}, {warmup}")
     vocab = model.args.vocab_size
     prompt = mx.random.randint(0, vocab, (1, prompt_len), key=mx.random.key(0))
     cache = make_prompt_cache(model)
@@ -198,12 +202,21 @@ def write_trace(result, path):
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
+def capture_problem(path):
+    """Why a Metal GPU capture into `path` cannot be made here, or None."""
+    if not mx.metal.is_available():
+        return ("--capture records a Metal GPU trace (mx.metal.start_capture); this machine has no Metal "
+                f"device (MLX default device: {mx.default_device()}). On CUDA use Nsight Systems: "
+                "nsys profile mlx-fastops profile ...")
+    if Path(path).suffix != ".gputrace":
+        return f"--capture writes an Xcode GPU trace, whose name ends in .gputrace; got {Path(path).name}"
+    return None
+
+
 def capture(model, path, tokens=4):
     """Metal GPU capture of a few decode steps (Xcode .gputrace). Raises RuntimeError elsewhere."""
-    if not mx.metal.is_available():
-        raise RuntimeError("--capture records a Metal GPU trace (mx.metal.start_capture); this machine "
-                           f"has no Metal device (MLX default device: {mx.default_device()}). "
-                           "On CUDA use Nsight Systems: nsys profile mlx-fastops profile ...")
+    if problem := capture_problem(path):
+        raise RuntimeError(problem)
     cache = make_prompt_cache(model)
     tok = mx.array([[1]])
     mx.eval(model(tok, cache=cache))

@@ -5,7 +5,9 @@ the output projection is scaled until the top-1/top-2 logit margin is clear (see
 the residual branches are scaled so tokens vary instead of repeating the input.
 """
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -98,7 +100,10 @@ def synthetic_model(name, bits=4, group_size=64, seed=0, dtype=None, layers=None
     _init_weights(model, seed)
     model.set_dtype(dtype)
     if bits:
-        model, cfg = quantize_model(model, cfg, group_size=group_size, bits=bits)
+        # mlx-lm prints "[INFO] Quantized model with ... bits per weight" on stdout, which holds the
+        # CLI's tables: it goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            model, cfg = quantize_model(model, cfg, group_size=group_size, bits=bits)
     cfg["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16"}.get(dtype, "bfloat16")
     mx.eval(model.parameters())
     object.__setattr__(model, "fastops_config", cfg)

@@ -1,14 +1,20 @@
-"""Each CLI command end to end on a tiny synthetic model, and a saved synthetic model directory
-loaded by mlx-lm itself."""
+"""Each CLI command end to end on a tiny synthetic model; every bad command line refused before any
+model work; verify's standard (bit-exact in float32 on the reference path, judged by the float32
+evaluation in half precision); a saved synthetic model directory loaded by mlx-lm itself."""
 
+import io
 import json
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 
 import mlx_fastops
-from mlx_fastops.cli import main
+from mlx_fastops import bench, models
+from mlx_fastops.backends import reference
+from mlx_fastops.cli import build_parser, main
+from mlx_fastops.synthetic import CONFIGS
 
 TINY = ["--model", "qwen3-tiny"]
 
@@ -21,6 +27,7 @@ def test_bench_json_and_table(tmp_path, capsys):
         assert f"| qwen3-tiny (synthetic, 4-bit g64) | 4-bit g64 | {test} |" in text.out
     assert "| 5/5 |" in text.out   # the float32 reference path: every greedy token equals stock's
     assert "[bench]" in text.err   # progress
+    assert "[INFO] Quantized model" in text.err and "[INFO]" not in text.out   # mlx-lm's notes stay off the table
     assert md.read_text().startswith("# mlx-fastops bench\n") and "mlx_fastops patch:" in md.read_text()
     doc = json.loads(out.read_text())
     assert doc["machine"]["mlx"] and doc["machine"]["sources"] and doc["settings"]["trials"] == 2
@@ -51,10 +58,37 @@ def test_bench_several_models_and_a_variant(tmp_path):
         assert fused["without gate_up"] == fused["patched"] - {"gate_up"} and "gate_up" in fused["patched"]
 
 
-@pytest.mark.parametrize("args", [["-p", "0"], ["-g", "-1"], ["-n", "0"], ["--variant", "no_such_fusion"]])
-def test_bench_rejects_bad_settings(args, capsys):
-    assert main(["bench", *TINY, "-q", *args]) == 2
-    assert "error" in capsys.readouterr().err
+def test_bench_on_a_cpu_takes_the_cpu_plan_and_says_how_long(tmp_path, monkeypatch, capsys):
+    """--model named, no GPU: the CPU plan (-p 32 -g 16 -n 3), and a time estimate before the run."""
+    monkeypatch.setattr(models, "on_gpu", lambda: False)
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--json", str(out)]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["prompts"], settings["gen"], settings["trials"]) == ([32], 16, 3)
+    err = capsys.readouterr().err
+    assert "qwen3-tiny (synthetic, 4-bit g64): about " in err and "for -p 32 -g 16, 4 rounds of 2 variants" in err
+    assert "-token prefill took " in err and "a decode step " in err
+
+
+def test_estimate_is_the_measured_pass_times_the_plan():
+    model = mlx_fastops.synthetic_model("qwen3-tiny")
+    e = bench.estimate(model, [8, 40], 5, rounds=3, n_variants=2)
+    assert e["prefill_tokens"] == 8 and e["prefill_s"] > 0 and e["step_s"] > 0
+    per_round = (8 + 40) * e["prefill_s"] / 8 + 2 * 5 * e["step_s"]
+    assert e["seconds"] == pytest.approx(2 * 3 * per_round)
+
+
+def test_progress_moves_within_a_generation():
+    """Ticks report the tokens so far inside each generation (here: every token, every=0)."""
+    model = mlx_fastops.synthetic_model("qwen3-tiny")
+    stream = io.StringIO()
+    say = bench.Progress("m", every=0, stream=stream)
+    bench.compare([("stock", model, None)], [8], 4, trials=1, warmup=0, progress=say.line, tick=say.tick,
+                  tick_every=say.every)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[bench] m p=8 trial 1/1 stock: prompt of 8 tokens"
+    assert [line.split(": ")[1] for line in lines[1:-1]] == [f"{k}/5 tokens" for k in range(1, 6)]
+    assert " tok/s" in lines[-1]
 
 
 def test_bench_plot(tmp_path):
@@ -70,21 +104,6 @@ def test_generate_synthetic(capsys):
     assert out.count(" t") >= 8 and "Generation: 8 tokens" in out
 
 
-def test_verify_passes(capsys):
-    assert main(["verify", "--model", "llama-tiny", "--bits", "8", "-n", "32"]) == 0
-    out = capsys.readouterr().out
-    assert "OK: 32/32 greedy tokens identical" in out and "median" in out and "distinct tokens" in out
-
-
-def test_verify_fails_on_divergence(monkeypatch, capsys):
-    # A broken op must be caught: make the fused gate/up return a wrong activation.
-    from mlx_fastops.backends import reference
-
-    monkeypatch.setattr(reference, "gate_up_silu", lambda x, w: 0.5 * reference.linear(x, w)[..., : w.splits[0]])
-    assert main(["verify", *TINY, "-n", "16"]) == 1
-    assert "DIVERGED at token" in capsys.readouterr().out
-
-
 def test_profile_and_trace(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     assert main(["profile", *TINY, "-n", "3", "--warmup", "1", "--trace", str(trace)]) == 0
@@ -94,23 +113,166 @@ def test_profile_and_trace(tmp_path, capsys):
     assert {"qkv_proj", "gate_up_silu", "lm_head"} <= {e["name"] for e in events}
 
 
-def test_capture_explains_without_metal(tmp_path, capsys):
-    import mlx.core as mx
+# --- bad command lines: exit 2, one line naming the problem, nothing loaded ---
 
-    if mx.metal.is_available():
-        pytest.skip("this machine has Metal")
-    assert main(["profile", *TINY, "--capture", str(tmp_path / "x.gputrace")]) == 2
-    assert "no Metal device" in capsys.readouterr().err
+NO_METAL = pytest.mark.skipif(mx.metal.is_available(), reason="this machine has Metal")
+BAD = [
+    (["bench", "-n", "0"], "argument -n/--num-trials: must be at least 1, got 0"),
+    (["bench", "-g", "-1"], "argument -g/--generation-tokens: must be at least 0, got -1"),
+    (["bench", "-p", "-5"], "argument -p/--prompt-tokens: must be at least 1, got -5"),
+    (["bench", "-p", "0"], "argument -p/--prompt-tokens: must be at least 1, got 0"),
+    (["bench", "-p", ","], "argument -p/--prompt-tokens: expected comma-separated integers"),
+    (["bench", "-p", "8,x"], "argument -p/--prompt-tokens: expected an integer, got 'x'"),
+    (["bench", "--warmup", "-1"], "argument --warmup: must be at least 0"),
+    (["bench", "--variant", "no_such_fusion"], "argument --variant: 'no_such_fusion': unknown fusion name"),
+    (["bench", "--variant", ","], "argument --variant: names no fusion"),
+    (["bench", "--disable", "qkvv"], "argument --disable: 'qkvv': unknown fusion name"),
+    (["bench", "--json", "{tmp}/missing/b.json"], "argument --json: folder {tmp}/missing does not exist"),
+    (["bench", "--markdown", "{tmp}/missing/b.md"], "argument --markdown: folder {tmp}/missing does not exist"),
+    (["bench", "--plot", "{tmp}/missing/b.png"], "argument --plot: folder {tmp}/missing does not exist"),
+    (["bench", "--json", "{tmp}"], "argument --json: {tmp} is a folder"),
+    (["bench", "--group-size", "100"], "argument --group-size: invalid choice: 100 (choose from 32, 64, 128)"),
+    (["bench", "--bits", "7"], "argument --bits: invalid choice: 7"),
+    (["bench", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["bench", "--nosuch"], "unrecognized arguments: --nosuch"),
+    (["bench", "--model", "qwen3-tiny,,llama-tiny"], "an empty model name"),
+    (["bench", "--model", "/no/such/path"], "--model '/no/such/path': no such directory"),
+    (["bench", "--model", "qwen9-huge"], "not a synthetic model (qwen3-0.6b, "),
+    (["bench", "--model", "{tmp}/empty"], "{tmp}/empty has no config.json"),
+    (["bench", "--model", "{tmp}/file"], "is a file; it takes a model directory"),
+    (["bench", "--model", "{tmp}/noweights"], "{tmp}/noweights has no model*.safetensors"),
+    (["bench", "--model", "{tmp}/model", "--bits", "8"], "--bits: for synthetic models only"),
+    (["bench", "--model", "{tmp}/model", "--group-size", "32"], "--group-size: for synthetic models only"),
+    (["generate", "-m", "-1"], "argument --max-tokens/-m: must be at least 1, got -1"),
+    (["generate", "--prompt", ""], "--prompt is empty"),
+    (["verify", "-n", "0"], "argument -n/--num-tokens: must be at least 1, got 0"),
+    (["verify", "--prompt-len", "0"], "argument --prompt-len: must be at least 1"),
+    (["verify", "--seed", "-1"], "argument --seed: must be at least 0"),
+    (["verify", "--model", "qwen3-tiny,llama-tiny"], "--model takes one model here"),
+    (["profile", "-n", "0"], "argument -n/--num-tokens: must be at least 1, got 0"),
+    (["profile", "--prompt-tokens", "0"], "argument --prompt-tokens: must be at least 1"),
+    (["profile", "--warmup", "-1"], "argument --warmup: must be at least 0"),
+    (["profile", "--trace", "{tmp}/missing/t.json"], "argument --trace: folder {tmp}/missing does not exist"),
+    pytest.param(["profile", "--capture", "{tmp}/x.gputrace"], "this machine has no Metal device", marks=NO_METAL),
+]
 
 
-def test_bad_model_name(capsys):
-    assert main(["bench", "--model", "qwen9-huge"]) == 2
-    assert "neither a synthetic model" in capsys.readouterr().err
+@pytest.fixture
+def no_model_work(tmp_path, monkeypatch):
+    """Model directories that are not, and a guard: a test fails if anything loads a model."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for name in ("noweights", "model"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"model_type": "qwen3"}')
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+
+    def load(*a, **k):
+        raise AssertionError("a model was loaded for a bad command line")
+
+    monkeypatch.setattr(models, "load", load)
+    return tmp_path
+
+
+def _refused(argv, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("\n") and err.count("\n") == 1, err   # one line, no traceback
+    return err
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_command_line(argv, message, no_model_work, capsys):
+    tmp = str(no_model_work)
+    err = _refused([a.replace("{tmp}", tmp) for a in argv], capsys)
+    assert err.startswith("mlx-fastops") and message.replace("{tmp}", tmp) in err
+
+
+@pytest.mark.parametrize("env,message", [({"MLX_FASTOPS_DISABLE": "qkvv"}, "MLX_FASTOPS_DISABLE: unknown fusion"),
+                                         ({"MLX_FASTOPS_BACKEND": "tpu"}, "MLX_FASTOPS_BACKEND='tpu'")])
+def test_bad_environment(env, message, no_model_work, monkeypatch, capsys):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert message in _refused(["verify", *TINY], capsys)
+
+
+@pytest.mark.parametrize("offline,message", [(True, "not in the local Hugging Face cache ({cache}), and HF_HUB_OFFLINE "
+                                                    "is set, so it cannot be downloaded"),
+                                             (False, "the Hugging Face Hub cannot be reached: ConnectError")])
+def test_hub_repo_out_of_reach(offline, message, no_model_work, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    cache = no_model_work / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")   # a closed port: unreachable
+    err = _refused(["bench", "--model", "someone/not-cached", "-q"], capsys)
+    assert "--model 'someone/not-cached': no such local directory" in err and message.format(cache=cache) in err
+
+
+def test_help_shows_every_default_and_the_synthetic_names(capsys):
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, parser in sub.choices.items():
+        flags = [a for a in parser._actions if a.dest != "help"]
+        for action in flags:
+            assert "(default: " in action.help, (name, action.option_strings)
+        model = next(a for a in flags if a.dest == "model")
+        assert all(synthetic in model.help for synthetic in CONFIGS)
+        assert main([name, "--help"]) == 0
+        assert capsys.readouterr().out.count("(default:") == len(flags)
 
 
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "mlx_fastops", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "bench" in r.stdout and "profile" in r.stdout
+
+
+# --- verify's standard ---
+
+def _float32_linear(x, w):
+    """The reference projection summed in float32, as the GPU kernels do: closer to the float32
+    evaluation than stock's half-precision sums, so bf16 tokens may flip at near-ties."""
+    if not w.quantized:
+        return _stock_linear(x, w)
+    y = mx.quantized_matmul(x.astype(mx.float32), w.weight, w.scales.astype(mx.float32),
+                            w.biases.astype(mx.float32), transpose=True, group_size=w.group_size, bits=w.bits)
+    return (y if w.bias is None else y + w.bias.astype(mx.float32)).astype(x.dtype)
+
+
+_stock_linear = reference.linear
+CHANGES = {
+    "none": None,
+    "float32 sums": ("linear", _float32_linear),
+    "last bits": ("linear", lambda x, w: _stock_linear(x, w) * (1 + 2**-20)),
+    "broken gate/up": ("gate_up_silu", lambda x, w: 0.5 * _stock_linear(x, w)[..., : w.splits[0]]),
+}
+
+
+@pytest.mark.parametrize("dtype,change,code,says", [
+    ("float32", "none", 0, ["bit-exact", "OK: 24/24 greedy tokens identical, log-probs bit-identical"]),
+    ("float32", "last bits", 1, ["24/24 greedy tokens identical, but the log-probs differ by up to"]),
+    ("float32", "broken gate/up", 1, ["FAILED: tokens differ from token"]),
+    ("bfloat16", "none", 0, ["judged by the same model in float32", "tokens: 24/24 greedy tokens identical",
+                             "OK: patched is no further from float32 than stock"]),
+    ("bfloat16", "float32 sums", 0, ["tokens differ from token", ": a near-tie, where either half-precision path",
+                                     "OK: patched is no further from float32 than stock"]),
+    ("bfloat16", "broken gate/up", 1, ["FAILED: patched is further from float32 than stock"]),
+])
+def test_verify_standard(dtype, change, code, says, monkeypatch, capsys):
+    """On the reference path (the changes are to its ops); a bf16 flip at a near-tie comes at token 11."""
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "reference")
+    if CHANGES[change]:
+        monkeypatch.setattr(reference, *CHANGES[change])
+    assert main(["verify", *TINY, "--dtype", dtype, "-n", "24"]) == code
+    out = capsys.readouterr().out
+    for text in says:
+        assert text in out, out
+
+
+def test_verify_with_float32_oracle(capsys):
+    assert main(["verify", "--model", "qwen2-tiny", "-n", "8", "--oracle"]) == 0
+    out = capsys.readouterr().out
+    assert "| stock |" in out and "| patched |" in out and "top-1 = float32" in out and "clear decisions" in out
 
 
 def test_saved_synthetic_model_runs_in_mlx_lm(tmp_path):
@@ -120,9 +282,3 @@ def test_saved_synthetic_model_runs_in_mlx_lm(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Generation: " in r.stdout
     assert main(["verify", "--model", str(path), "-n", "8", "--prompt", "t3 t4 t5"]) == 0
-
-
-def test_verify_with_float32_oracle(capsys):
-    assert main(["verify", "--model", "qwen2-tiny", "-n", "8", "--oracle"]) == 0
-    out = capsys.readouterr().out
-    assert "| stock |" in out and "| patched |" in out and "top-1 = float32" in out
