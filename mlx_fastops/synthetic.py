@@ -87,6 +87,9 @@ def synthetic_model(name, bits=4, group_size=64, seed=0, dtype=None, layers=None
     if bits not in (None, 0, 2, 3, 4, 5, 6, 8):
         raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (fused: 4 and 8) or None for a float "
                          f"model, got {bits}")
+    if bits and group_size not in (32, 64, 128):
+        # mlx-lm would leave every layer whose size the group does not divide as it is: a float model
+        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
     cfg = dict(CONFIGS[name])
     if layers is not None:
         if int(layers) < 1:

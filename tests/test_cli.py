@@ -282,3 +282,8 @@ def test_saved_synthetic_model_runs_in_mlx_lm(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Generation: " in r.stdout
     assert main(["verify", "--model", str(path), "-n", "8", "--prompt", "t3 t4 t5"]) == 0
+
+
+def test_synthetic_model_refuses_a_group_size_mlx_lm_cannot_use():
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
+        mlx_fastops.synthetic_model("qwen3-tiny", group_size=100)
