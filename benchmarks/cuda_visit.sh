@@ -4,9 +4,10 @@
 #   tests        pytest -m cuda tests/test_cuda_kernels.py tests/test_ops.py tests/test_cuda_prefill.py
 #   models       pytest -m cuda tests/test_cuda_models.py
 #   correctness  both suites side by side (each over 4 pytest-xdist workers where xdist is installed)
-#   bench        the README's table: mlx-fastops bench, 4 models, -p 512,2048 -g 128 -n 3 -> results/cuda_bench.*
+#   bench        the README's table: mlx-fastops bench, 4 models, -p 512,2048,8192 -g 128 -n 3 -> results/cuda_bench.*
 #   ab NAMES...  the bench and the phase tables, each beside a copy patched without each NAMES
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
+#   prefill      prefill GEMMs: stock quantized_matmul, ours, dense matmul, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
 #                Nsight Systems NVTX/CUDA-API summary of Qwen3-4B decode where nsys is installed
@@ -29,7 +30,7 @@ XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 bench() {   # bench OUTPREFIX TIMEOUT [--variant NAMES ...]
   local prefix=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m mlx_fastops bench --model $MODELS -p 512,2048 -g 128 -n 3 "$@" \
+  timeout "$limit" python3 -m mlx_fastops bench --model $MODELS -p 512,2048,8192 -g 128 -n 3 "$@" \
     --json "$prefix.json" --markdown "$prefix.md" > "$LOGS/bench.log" 2>&1
   grep -E "^\| (qwen|llama)" "$prefix.md" | cut -c1-170
 }
@@ -64,6 +65,9 @@ case "$mode" in
     phases "$A" $((60 * (n + 1))) "${pdis[@]}"
     bench "$A/cuda_bench" $((170 * (n + 1))) "${bvar[@]}"
     tar czf "$OUT/ab.tgz" -C "$A" . ;;
+  prefill)
+    timeout 300 python3 benchmarks/cuda_prefill.py --out "$R/cuda_prefill" > "$OUT/prefill.log" 2>&1
+    tail -n 20 "$OUT/prefill.log"; cp "$R"/cuda_prefill.* "$OUT/" ;;
   kernels)
     timeout 150 python3 benchmarks/cuda_kernels.py --out "$R/cuda_kernels" > "$OUT/kernels.log" 2>&1
     tail -n 25 "$OUT/kernels.log"; cp "$R"/cuda_kernels.* "$OUT/" ;;
