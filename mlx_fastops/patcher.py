@@ -4,7 +4,13 @@ The recipe of each family (patches/<family>.json, format in mlx_fastops.families
 attributes that hold q/k/v/o, gate/up/down, norms and RoPE. A model's family is the recipe whose
 modules (mlx_lm.models.<family> and the recipe's aliases) hold its layer classes: mistral
 checkpoints load as mlx_lm.models.llama and are patched as llama; config strings are not read.
+A vision-language wrapper (qwen2_vl, qwen3_vl, pixtral, ...) is patched in its `language_model`.
 MLX_FASTOPS_RECIPES adds directories of recipes (os.pathsep-separated) to the package's patches/.
+
+The fused state (stacked weights, selected ops, a backend's decode path) follows the model: a
+Watch (mlx_fastops.modules) sees every write into the modules it was built from, and the next
+fused call rebuilds it from the current modules (mlx_fastops.state). Every change patch() and a
+rebuild make goes through a Journal, so a failure part-way leaves the model exactly as it was.
 """
 
 from dataclasses import dataclass, field
@@ -14,11 +20,14 @@ import mlx.nn as nn
 
 from . import config, ops
 from .families import RECIPES_ENV, recipes
-from .modules import FusedAttention, FusedBlock, FusedMLP, head_class
-from .ops.weights import PackedLinear, RopeSpec
+from .modules import FusedAttention, FusedMLP, head_class
+from .ops.weights import PackedLinear, RopeSpec, adapter_of, out_features
+from .state import Journal, PatchState, decoder_layers
 
 _STATE = "_mlx_fastops_state"
 _PARKED = "_mlx_fastops_parked"
+
+LORA_NOTE = "LoRA adapters: low-rank deltas added to the fused projection"
 
 
 @dataclass
@@ -70,10 +79,14 @@ class PatchReport:
                             for r in self.summary()]}
 
 
-def _decoder_layers(model):
-    """The list that holds the decoder blocks. Not `model.layers`: for qwen2 that property returns
-    a fresh slice (`pipeline_layers`), and assigning into it changes nothing."""
-    return model.model.layers
+def text_model(model):
+    """The mlx-lm text model: `model` itself (its decoder stack at .model: embed_tokens, layers,
+    norm), or a vision-language wrapper's `language_model`; None if neither."""
+    for text in (model, model.get("language_model")):
+        inner = text.get("model") if isinstance(text, nn.Module) else None
+        if isinstance(inner, nn.Module) and isinstance(inner.get("layers"), list) and "embed_tokens" in inner:
+            return text
+    return None
 
 
 def _family(model):
@@ -84,16 +97,20 @@ def _family(model):
     module = type(layers[0]).__module__
     known = recipes()
     for recipe in known.values():
-        if module in recipe["modules"]:
+        if module in recipe["modules"] and text_model(model) is not None:
             return recipe
     model_type = getattr(model, "model_type", module)
     raise ValueError(f"unsupported model family {model_type!r} ({module}): mlx_fastops has recipes for "
                      f"{sorted(known)}; add one as <family>.json in a directory named by {RECIPES_ENV}")
 
 
-class _Patcher:
-    def __init__(self, recipe, backend, disabled, report):
+class Planner:
+    """Sets one patch's fused modules up from their current children (PatchState.build calls it
+    per block, then for the head); every change through the journal, every outcome in the report."""
+
+    def __init__(self, recipe, backend, disabled, report, journal):
         self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
+        self.journal = journal
 
     def off(self, fusion):
         """Why `fusion` is not to be applied (switched off, or not in the family's recipe), or None."""
@@ -107,36 +124,46 @@ class _Patcher:
         """Every fusion name that is off for this patch (disabled or not in the recipe)."""
         return {f for f in config.FUSIONS if self.off(f)}
 
-    def select(self, where, fusion, op, **info):
+    def select(self, where, fusion, op, note="", **info):
         """The op function for `fusion` (its backend recorded in the report); None if off."""
         reason = self.off(fusion)
         if reason:
             self.skip(where, fusion, reason)
             return None
         fn, used, reason = ops.select(op, self.backend, **info)
-        self.report.add(where, fusion, "fused", used, reason or "")
+        self.report.add(where, fusion, "fused", used, "; ".join(r for r in (note, reason) if r))
         return fn
 
     def skip(self, where, fusion, reason):
         self.report.add(where, fusion, "skipped", reason=reason)
 
     def stack(self, where, fusion, modules):
-        """The layers stacked into one PackedLinear, or None (off or unsupported, reported)."""
+        """The layers stacked into one PackedLinear (the modules bound to views of it), or None
+        (off or unsupported, reported)."""
         reason = self.off(fusion) or PackedLinear.unsupported(modules)
         if reason:
             self.skip(where, fusion, reason)
             return None
-        return PackedLinear.stack(modules)
+        packed, views = PackedLinear.concat(modules)
+        for module, name, view in views:
+            self.journal.set(module, name, view)
+        return packed
+
+    def configure(self, module, settings):
+        for name, value in settings.items():
+            self.journal.attr(module, name, value)
 
     def attention(self, where, attn):
         names = self.recipe["attention"]
+        bases, adapters = zip(*(adapter_of(attn[names[r]]) for r in ("q", "k", "v")))
+        lora = LORA_NOTE if any(a is not None for a in adapters) else ""
         ops_ = {}
-        w = self.stack(where, "qkv", [attn[names[r]] for r in ("q", "k", "v")])
+        w = self.stack(where, "qkv", list(bases))
         if w is not None:
-            ops_["qkv"] = self.select(where, "qkv", "qkv_proj", **w.info())
+            ops_["qkv"] = self.select(where, "qkv", "qkv_proj", lora, **w.info())
         rope = RopeSpec.from_module(attn[names["rope"]])
         # From the weights, never hidden_size / n_heads (Qwen3-0.6B: 128, not 1024 / 16).
-        head_dim = attn[names["q"]].weight.shape[0] // attn.n_heads
+        head_dim = out_features(attn[names["q"]]) // attn.n_heads
         if rope is None:
             self.skip(where, "qk_norm_rope", f"RoPE variant {type(attn[names['rope']]).__name__}")
         else:
@@ -156,19 +183,29 @@ class _Patcher:
                 used.add(backend)
                 notes += [f"{op}: {why}"] if why else []
             self.report.add(where, "attention", "fused", "+".join(sorted(used)), "; ".join(notes))
-        return FusedAttention(attn, names, ops_, qkv_weights=w, rope=rope)
+        self.configure(attn, attn.settings(ops_, qkv_weights=w, rope=rope,
+                                           adapters=adapters if w is not None else (None,) * 3))
 
     def mlp(self, where, mlp):
         names = self.recipe["mlp"]
-        w = self.stack(where, "gate_up", [mlp[names["gate"]], mlp[names["up"]]])
+        bases, adapters = zip(*(adapter_of(mlp[names[r]]) for r in ("gate", "up")))
+        w = self.stack(where, "gate_up", list(bases))
+        fn = None
         if w is None:
-            return mlp
-        return FusedMLP(mlp, names, self.select(where, "gate_up", "gate_up_silu", **w.info()), w)
+            adapters = (None, None)
+        elif any(a is not None for a in adapters):
+            # SiLU must follow the deltas: the stacked projection as a plain linear op.
+            fn = self.select(where, "gate_up", "lm_head", LORA_NOTE + ", then SiLU", **w.info())
+        else:
+            fn = self.select(where, "gate_up", "gate_up_silu", **w.info())
+        self.configure(mlp, mlp.settings(fn, w, adapters))
 
     def block(self, where, block):
         names = self.recipe["block"]
-        attn = self.attention(f"{where}.{names['attention']}", block[names["attention"]])
-        mlp = self.mlp(f"{where}.{names['mlp']}", block[names["mlp"]])
+        for role, setup in (("attention", self.attention), ("mlp", self.mlp)):
+            child = block[names[role]]
+            if type(child) in (FusedAttention, FusedMLP) and child.watch is block.watch:
+                setup(f"{where}.{names[role]}", child)
         norm = block[names["post_norm"]]
         if type(norm) is not nn.RMSNorm:
             self.skip(where, "residual_norm", f"norm type {type(norm).__name__}")
@@ -176,9 +213,8 @@ class _Patcher:
         else:
             add_norm = self.select(where, "residual_norm", "rms_norm_residual",
                                    hidden=norm.weight.shape[0], dtype=norm.weight.dtype)
-        fb = FusedBlock(block, names, {"attention": attn, "mlp": mlp}, add_norm)
-        self.fast_block(where, fb)
-        return fb
+        self.configure(block, block.settings(add_norm))
+        self.fast_block(where, block)
 
     def fast_block(self, where, fb):
         """The backend's whole-block decode path for this block, if it has one (DecodePath.block)."""
@@ -193,72 +229,83 @@ class _Patcher:
         if fast is None:
             self.skip(where, "fast_decode", reason)
         else:
-            object.__setattr__(fb, "fast_fn", fast)
+            self.journal.attr(fb, "fast_fn", fast)
             self.report.add(where, "fast_decode", "fused", self.backend)
 
-    def head(self, model):
-        """Returns (object, original class) for the class swap, or None."""
-        tied = "lm_head" not in model
-        obj, where = (model.model.embed_tokens, "model.embed_tokens") if tied else (model.lm_head, "lm_head")
+    def head(self, text):
+        """Swaps the head's class; returns (object, original class, head op), or None."""
+        tied = "lm_head" not in text
+        obj, where = (text.model.embed_tokens, "model.embed_tokens") if tied else (text.lm_head, "lm_head")
         reason = self.off("lm_head") or PackedLinear.unsupported([obj])
         if reason:
             self.skip(where, "lm_head", reason)
             return None
         w = PackedLinear.from_embedding(obj) if tied else PackedLinear.stack([obj])
         fn = self.select(where, "lm_head", "lm_head", **w.info())
-        original = type(obj)
-        obj.__class__ = head_class(original)
-        object.__setattr__(obj, "_fastops_head_fn", lambda x: fn(x, w))
-        return obj, original
+        original, head = type(obj), _Head(fn, w)
+        self.journal.cls(obj, head_class(original))
+        self.journal.attr(obj, "_fastops_head_fn", head)
+        return obj, original, head
+
+
+def _plan(state, journal):
+    """PatchState's plan: every fused block of `state`, then the head, set up from the model's
+    current modules. Returns (report, head, the fusions switched off)."""
+    report = PatchReport(state.recipe["family"], state.backend)
+    p = Planner(state.recipe, state.backend, state.disabled, report, journal)
+    for i, block in enumerate(decoder_layers(state.text)):
+        if state.owns(block):
+            p.block(f"layers.{i}", block)
+    return report, p.head(state.text), p.switched_off()
+
+
+class _Head:
+    """The head op over its weights (a plain object: a copied model gets its own weights)."""
+
+    def __init__(self, fn, w):
+        self.fn, self.w = fn, w
+
+    def __call__(self, x):
+        return self.fn(x, self.w)
 
 
 def patch(model, disable=()):
     """Swap the model's modules for fused ones in place; returns a PatchReport.
 
-    Patching an already patched model is a no-op that returns the first report. `disable` takes
+    Patching an already patched model is a no-op that returns its report. `disable` takes
     fusion names (see mlx_fastops.config.FUSIONS; a list or a comma-separated string), added to
-    MLX_FASTOPS_DISABLE.
+    MLX_FASTOPS_DISABLE. If anything fails, the model is left exactly as it was.
     """
     state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
     if state is not None:
-        return state["report"]
+        return state.report
     recipe = _family(model)
     disabled = config.disabled(disable)
     backend = config.backend_name()
-    key = (backend, frozenset(disabled))
-    parked = model.__dict__.pop(_PARKED, None)
-    if parked is not None and parked["key"] == key:
-        # Re-patch after unpatch with the same settings: reuse the fused modules (no re-stacking).
-        _swap_in(model, parked)
-        return parked["report"]
-    report = PatchReport(recipe["family"], backend)
-    p = _Patcher(recipe, backend, disabled, report)
-    layers = _decoder_layers(model)
-    originals = list(layers)
-    for i, block in enumerate(originals):
-        layers[i] = p.block(f"layers.{i}", block)
-    head = p.head(model)
-    decode = _install_decode_path(model, backend, layers, p.switched_off(), report)
-    mx.eval(model.parameters())
-    fused = list(layers)
-    object.__setattr__(model, _STATE, {"report": report, "layers": originals, "head": head,
-                                       "fused": fused, "key": key, "decode": decode})
-    # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
-    _warm_up(model, backend)
-    return report
-
-
-def _install_decode_path(model, backend, layers, disabled, report):
-    """The backend's whole-model decode path (DecodePath.install) once its blocks are fused;
-    returns what unpatch removes, or None."""
-    path = ops.backend_module(backend).DECODE_PATH
-    fasts = [b.fast_fn for b in layers]
-    if path is None or not any(fasts):
-        return None
-    installed, rows = path.install(model, fasts, disabled)
-    for fusion, status, note in rows:
-        report.add("model", fusion, status, backend if status == "fused" else "", note)
-    return installed
+    parked = model.__dict__.get(_PARKED)
+    journal = Journal()
+    try:
+        journal.attr(model, _PARKED)
+        if parked is not None and (parked.backend, parked.disabled) == (backend, disabled) and parked.unchanged():
+            # Re-patch after unpatch, the model untouched since: the same fused state again.
+            parked.resume(journal)
+            journal.attr(model, _STATE, parked)
+            return parked.report
+        text = text_model(model)
+        state = PatchState(model, text, recipe, backend, disabled, _plan)
+        layers = decoder_layers(text)
+        for i, block in enumerate(list(layers)):
+            journal.set(layers, i, state.wrap(block))
+        state.build(journal)
+        journal.attr(model, _STATE, state)
+        # Warm up the chosen kernels on this model's shapes, so the first real call does not compile.
+        _warm_up(model, backend)
+    except BaseException as e:
+        journal.rollback()
+        if hasattr(e, "add_note"):
+            e.add_note("mlx_fastops.patch failed; the model is unchanged")
+        raise
+    return state.report
 
 
 def _warm_up(model, backend):
@@ -272,34 +319,15 @@ def _warm_up(model, backend):
 
 
 def unpatch(model):
-    """Restore the original module objects; returns True if the model was patched."""
+    """Restore the original module objects, holding the model's current children (modules
+    replaced while patched, e.g. by nn.quantize, stay replaced); True if the model was patched.
+    An up-to-date fused state is kept aside: patch() takes it back if nothing changed meanwhile."""
     state = model.__dict__.pop(_STATE, None)
     if state is None:
         return False
-    layers = _decoder_layers(model)
-    for i, block in enumerate(state["layers"]):
-        layers[i] = block
-    if state["decode"] is not None:
-        state["decode"].remove()
-    if state["head"] is not None:
-        obj, original = state["head"]
-        state["head_fn"] = obj.__dict__.pop("_fastops_head_fn")
-        obj.__class__ = original
-    object.__setattr__(model, _PARKED, state)
+    if state.remove():
+        object.__setattr__(model, _PARKED, state)
     return True
-
-
-def _swap_in(model, state):
-    layers = _decoder_layers(model)
-    for i, block in enumerate(state["fused"]):
-        layers[i] = block
-    if state["head"] is not None:
-        obj, original = state["head"]
-        obj.__class__ = head_class(original)
-        object.__setattr__(obj, "_fastops_head_fn", state.pop("head_fn"))
-    if state["decode"] is not None:
-        state["decode"].restore()
-    object.__setattr__(model, _STATE, state)
 
 
 def is_patched(model):

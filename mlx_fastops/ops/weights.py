@@ -1,5 +1,6 @@
 """Weight containers shared by every backend."""
 
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -7,6 +8,25 @@ import mlx.nn as nn
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
+
+
+def adapter_of(module):
+    """(base layer, adapter): mlx-lm's LoRALinear (mlx_lm.tuner.lora, what `linear_to_lora_layers`
+    and `mlx_lm.load(..., adapter_path=...)` put in) is its wrapped layer plus a low-rank term
+    the fused modules add after the fused projection; anything else is its own base, no adapter.
+    Only that exact class: DoRA and other wrappers compute something else and stay stock. (No
+    LoRALinear exists unless its module was imported, so it is looked up, never imported.)"""
+    lora = getattr(sys.modules.get("mlx_lm.tuner.lora"), "LoRALinear", None)
+    if lora is not None and type(module) is lora:
+        return module["linear"], module
+    return module, None
+
+
+def out_features(module):
+    """Output size of a linear layer, or of the layer an adapter wraps (`.linear`)."""
+    while "weight" not in module and isinstance(module.get("linear"), nn.Module):
+        module = module["linear"]
+    return module["weight"].shape[0]
 
 
 @dataclass(frozen=True)
@@ -73,10 +93,20 @@ class PackedLinear:
         The views keep the stock modules working (for unpatch and for paths we leave stock) while
         the weights are stored once.
         """
+        packed, views = cls.concat(modules)
+        for m, name, view in views:
+            m[name] = view
+        return packed
+
+    @classmethod
+    def concat(cls, modules):
+        """stack() without touching the modules: (PackedLinear, [(module, name, view)]), the views
+        to bind (the patcher binds them through its journal). One layer is its own PackedLinear."""
         m0 = modules[0]
         quantized = isinstance(m0, nn.QuantizedLinear)
         names = ["weight"] + (["scales", "biases"] if quantized else []) + (["bias"] if "bias" in m0 else [])
         splits = tuple(m.weight.shape[0] for m in modules)
+        views = []
         if len(modules) == 1:
             cat = {n: m0[n] for n in names}
         else:
@@ -84,14 +114,15 @@ class PackedLinear:
             mx.eval(list(cat.values()))
             start = 0
             for m, size in zip(modules, splits):
-                for n in names:
-                    m[n] = cat[n][start : start + size]
+                views += [(m, n, cat[n][start : start + size]) for n in names]
                 start += size
         if quantized:
             in_features = m0.weight.shape[1] * 32 // m0.bits
-            return cls(cat["weight"], cat["scales"], cat["biases"], cat.get("bias"), splits,
-                       in_features, m0.bits, m0.group_size)
-        return cls(cat["weight"], None, None, cat.get("bias"), splits, m0.weight.shape[1])
+            packed = cls(cat["weight"], cat["scales"], cat["biases"], cat.get("bias"), splits,
+                         in_features, m0.bits, m0.group_size)
+        else:
+            packed = cls(cat["weight"], None, None, cat.get("bias"), splits, m0.weight.shape[1])
+        return packed, views
 
     @classmethod
     def from_embedding(cls, emb):

@@ -5,6 +5,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...ops.weights import PackedLinear, adapter_of
 from .attention import MAX_GQA, head_subgroup
 from .cache import StaticKVCache
 from .layer import LAYER_GROUPS, layers_launch
@@ -22,7 +23,6 @@ def _quant_ok(m):
 
 
 def _as_packed(m):
-    from ...ops.weights import PackedLinear
     K = m.weight.shape[1] * 32 // m.bits
     return PackedLinear(m.weight, m.scales, m.biases, None, (m.weight.shape[0],), K, m.bits, m.group_size)
 
@@ -36,6 +36,9 @@ class FastBlock:
 
     def __init__(self, block):
         attn, mlp = block._attention, block._mlp
+        # The FusedBlock and its Watch: the compiled step runs only while the watch is fast and
+        # the model's layers are still these blocks (step._compiled_call).
+        self.owner, self.watch = block, block.watch
         self.qkv = attn.qkv_weights
         self.gate_up = mlp.gate_up_weights
         self.o = _as_packed(attn._o)
@@ -66,6 +69,10 @@ class FastBlock:
         self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
+    def __deepcopy__(self, memo):
+        # A copy of the model has a stale Watch and builds FastBlocks of its own arrays first.
+        return None
+
     @staticmethod
     def unsupported(block):
         """Why a FusedBlock cannot take the fast path, or None."""
@@ -77,6 +84,10 @@ class FastBlock:
             return "QKV not fused / not quantised"
         if gu is None or not gu.quantized:
             return "gate/up not fused / not quantised"
+        lora = [n for n, m in zip(("q", "k", "v", "gate", "up"), attn.adapters + mlp.adapters) if m is not None]
+        lora += [n for n, m in (("o", attn._o), ("down", mlp._down)) if adapter_of(m)[1] is not None]
+        if lora:
+            return f"LoRA adapters on {'/'.join(lora)} (the one-launch layer has no low-rank term)"
         if not (_quant_ok(attn._o) and _quant_ok(mlp._down)):
             return "o_proj/down_proj not affine 4/8-bit without bias"
         if rope is None:

@@ -6,7 +6,15 @@ for one whose decode call (B * L <= MAX_ROWS tokens over those caches) is one co
 embedding, the layer launches (consecutive small layers sharing one: launch_runs), final norm.
 The step also computes the next cache offset on the GPU (a host-made offset array faults once on
 first use: source.OFF_WORDS).
+
+The step holds the arrays it was traced with. It runs only while the blocks' Watch is fast (see
+mlx_fastops.modules.Watch: nothing the patch was built from was written) and the model's layers
+are still its blocks' owners; otherwise the Watch rebuilds the patch (a new step, or none) first.
+That check is one attribute and one identity per layer, at C speed, per decode step.
 """
+
+import operator
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -17,7 +25,8 @@ from .cache import StaticKVCache
 from .layer import layers_launch
 from .source import MAX_ROWS, offset_array
 
-# The fast path fuses all of these; switching any of them off switches it off.
+# The fast path fuses all of these; switching any of them off switches it off (qkv / gate_up off
+# leave no stacked weights, which FastBlock.unsupported would also refuse: named, the report says why).
 FAST_PATH_PARTS = ("qkv", "gate_up", "attention", "qk_norm_rope", "residual_norm")
 
 
@@ -25,25 +34,45 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
     step = self.__dict__.get("_fastops_step")
     if (step is not None and input_embeddings is None and cache is not None and inputs.ndim == 2
             and inputs.shape[0] * inputs.shape[1] <= MAX_ROWS):
-        blocks = self._fastops_blocks
-        c0 = cache[0]
-        if (type(c0) is StaticKVCache and len(cache) == len(blocks)
-                and all(type(c) is StaticKVCache and c.offset == c0.offset for c in cache)):
+        watch, layers = step.watch, dict.__getitem__(self, "layers")
+        if (not watch.fast or len(layers) != len(step.owners)
+                or not all(map(operator.is_, layers, step.owners))):
+            # The model changed (or is in training mode): bring the patch up to date, which may
+            # rebuild this step or remove it, and dispatch again; else the stock composition.
+            if watch.fast:
+                watch.changed()
+            if watch.ready():
+                return self(inputs, cache=cache, input_embeddings=input_embeddings)
+        elif (type(cache[0]) is StaticKVCache and len(cache) == len(step.blocks)
+                and all(type(c) is StaticKVCache and c.offset == cache[0].offset for c in cache)):
             B, L = inputs.shape
-            prev = c0.offset
+            prev = cache[0].offset
             bufs = []
-            for fb, c in zip(blocks, cache):
+            for fb, c in zip(step.blocks, cache):
                 c.reserve(B, fb.HKV, fb.D, fb.dtype, prev + L)
                 bufs.extend(c.fast_inputs())
             dev = self.__dict__.get("_fastops_off")   # (offset value, int32 array on the GPU)
             off = dev[1] if dev is not None and dev[0] == prev else offset_array(prev)
-            h, off_next, *readers = step(inputs, off, *bufs)
+            h, off_next, *readers = step.fn(inputs, off, *bufs)
             object.__setattr__(self, "_fastops_off", (prev + L, off_next))
             for c, r in zip(cache, readers):
                 c.offset = prev + L
                 c.last_reader = r
             return h
-    return super(self.__class__, self).__call__(inputs, cache=cache, input_embeddings=input_embeddings)
+    return type(self)._fastops_base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
+
+
+class _Step:
+    """The compiled decode step, the FastBlocks it runs and the FusedBlocks they belong to (the
+    model's layers while it is valid), and their Watch. A copy of the model gets none: its Watch
+    is stale and rebuilds the step from the copy's own arrays."""
+
+    def __init__(self, fn, blocks, watch):
+        self.fn, self.blocks, self.watch = fn, blocks, watch
+        self.owners = [fb.owner for fb in blocks]
+
+    def __deepcopy__(self, memo):
+        return None
 
 
 _INNER_CLASSES = {}
@@ -64,11 +93,17 @@ def launch_runs(fasts):
     return runs
 
 
+def _inner(model):
+    """The decoder stack (embed_tokens, layers, norm): model.model, or a vision-language
+    wrapper's language_model.model."""
+    return model.get("language_model", model).get("model")
+
+
 def _compile_step(model, fasts):
-    """Swap model.model's class for one whose decode step is one mx.compile'd function. Returns
-    ((obj, stock class, fast class), note) or (None, reason)."""
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
+    """The class swap of the decoder stack for one whose decode step is one mx.compile'd
+    function: ((obj, stock class, fast class, _Step), note), or (None, reason)."""
+    inner = _inner(model)
+    if inner is None or "embed_tokens" not in inner or "norm" not in inner:
         return None, "no inner model with embed_tokens/norm"
     if getattr(inner, "pipeline_size", 1) != 1:
         return None, "pipeline-parallel model"
@@ -92,11 +127,10 @@ def _compile_step(model, fasts):
     base = type(inner)
     cls = _INNER_CLASSES.get(base)
     if cls is None:
-        cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,), {"__call__": _compiled_call})
-    object.__setattr__(inner, "_fastops_step", mx.compile(step))
-    object.__setattr__(inner, "_fastops_blocks", fasts)
-    inner.__class__ = cls
-    return (inner, base, cls), f"{len(fasts)} layers in {len(runs)} launch{'es' if len(runs) > 1 else ''}"
+        cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,),
+                                          {"__call__": _compiled_call, "_fastops_base": base})
+    launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
+    return (inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch)), f"{len(fasts)} layers in {launches}"
 
 
 class Installed:
@@ -108,13 +142,17 @@ class Installed:
     def remove(self):
         self.model.__dict__.pop("make_cache", None)
         if self.step:
-            obj, stock, _ = self.step
+            obj, stock, _, _ = self.step
+            for name in ("_fastops_step", "_fastops_blocks", "_fastops_off"):
+                obj.__dict__.pop(name, None)
             obj.__class__ = stock
 
     def restore(self):
         object.__setattr__(self.model, "make_cache", self.make_cache)
         if self.step:
-            obj, _, fast = self.step
+            obj, _, fast, step = self.step
+            object.__setattr__(obj, "_fastops_step", step)
+            object.__setattr__(obj, "_fastops_blocks", step.blocks)   # the FastBlocks, in layer order
             obj.__class__ = fast
 
 
@@ -131,14 +169,21 @@ class CudaDecodePath(DecodePath):
     def install(self, model, fasts, disabled):
         if hasattr(model, "make_cache") and any(type(c) is not KVCache for c in model.make_cache()):
             return None, [("fast_decode", "skipped", "the model's own caches are not all KVCache")]
-        make_cache = lambda: [StaticKVCache() for _ in model.layers]
-        object.__setattr__(model, "make_cache", make_cache)
+        make_cache = partial(_static_caches, len(fasts))
         if "compile" in disabled:
-            return Installed(model, make_cache, None), [("compile", "skipped", "disabled")]
-        if any(f is None for f in fasts):
-            return Installed(model, make_cache, None), [("compile", "skipped", "not every block has the fast path")]
-        step, note = _compile_step(model, fasts)
-        return Installed(model, make_cache, step), [("compile", "fused" if step else "skipped", note)]
+            step, row = None, ("compile", "skipped", "disabled")
+        elif any(f is None for f in fasts):
+            step, row = None, ("compile", "skipped", "not every block has the fast path")
+        else:
+            step, note = _compile_step(model, fasts)
+            row = ("compile", "fused" if step else "skipped", note)
+        installed = Installed(model, make_cache, step)
+        installed.restore()
+        return installed, [row]
+
+
+def _static_caches(n):
+    return [StaticKVCache() for _ in range(n)]
 
 
 DECODE_PATH = CudaDecodePath()
