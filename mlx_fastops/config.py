@@ -10,8 +10,8 @@ import os
 
 import mlx.core as mx
 
-# Every name a user may pass to MLX_FASTOPS_DISABLE or patch(disable=...): one per fusion, then the
-# whole-path switches of the CUDA decode path.
+# Every name a user may pass to MLX_FASTOPS_DISABLE or patch(disable=...): one per fusion, the
+# prefill path of the GPU projections, then the whole-path switches of the CUDA decode path.
 FUSIONS = {
     "qkv": "Q/K/V projections as one matmul on concatenated weights (GPU: one GEMV kernel for decode)",
     "gate_up": "gate/up projections as one matmul, then SiLU(gate)*up (GPU: one GEMV kernel for decode)",
@@ -19,6 +19,8 @@ FUSIONS = {
     "residual_norm": "residual add + post-attention RMSNorm in one op",
     "lm_head": "the (tied or untied) output projection",
     "attention": "decode attention and prefill attention ops",
+    "prefill": "GPU: QKV, gate/up and lm_head calls of more than 8 rows on the backend's prefill path "
+               "(CUDA: dense matmuls on weights dequantised per call); off: stock quantized_matmul",
     "fast_decode": "CUDA: each decoder block as one launch (norm + QKV + q/k norm + RoPE + cache write, "
                    "attention, o_proj + residual, norm + gate/up + SiLU, down + residual) over a static KV "
                    "cache; consecutive small layers share a launch",

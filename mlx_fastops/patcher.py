@@ -131,6 +131,8 @@ class Planner:
             self.skip(where, fusion, reason)
             return None
         fn, used, reason = ops.select(op, self.backend, **info)
+        if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill"):
+            fn, note = ops.decode_rows_only(fn, op), "; ".join(n for n in (note, "prefill off: stock") if n)
         self.report.add(where, fusion, "fused", used, "; ".join(r for r in (note, reason) if r))
         return fn
 

@@ -81,3 +81,29 @@ def test_rows_pick_the_path(M, path, monkeypatch):
     assert (q.shape, k.shape, v.shape, h.shape, y.shape) == ((1, M, 256), (1, M, 64), (1, M, 64), (1, M, 256),
                                                              (1, M, 384))
     assert seen == [path] * 3, seen
+
+
+@pytest.mark.parametrize("disable,dense", [((), True), (("prefill",), False)])
+def test_prefill_switch(disable, dense, monkeypatch):
+    """A patched model's prompt runs the dense prefill path unless `prefill` is switched off (then
+    stock quantized_matmul, and the report says so); decode keeps the kernels either way."""
+    import cuda_emu
+    from mlx_fastops import kernels, synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    calls, dense_linear = [], prefill.linear
+    monkeypatch.setattr(prefill, "linear", lambda x, w: calls.append(x.shape) or dense_linear(x, w))
+    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16)
+    prompt = mx.random.randint(0, 4096, (1, 80), key=mx.random.key(0))
+    ref = model(prompt)
+    with kernels.use_cuda_factory(cuda_emu.cuda_kernel):
+        report = mlx_fastops.patch(model, disable=("compile", *disable))
+        try:
+            calls.clear()
+            got = model(prompt)
+        finally:
+            mlx_fastops.unpatch(model)
+    notes = {e.reason for e in report.fused if e.fusion in ("qkv", "gate_up", "lm_head")}
+    assert bool(calls) is dense and (notes == {"prefill off: stock"}) is (not dense), (calls, notes)
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() <= 0.1 * np.abs(np.asarray(ref.astype(mx.float32))).max()

@@ -66,6 +66,21 @@ def select(op, backend, **info):
     return getattr(backend_module("reference"), op), "reference", reason
 
 
+DECODE_ROWS = 8   # activation rows (B * L) of the GPU backends' decode kernels
+PREFILL_OPS = ("qkv_proj", "gate_up_silu", "lm_head")
+
+
+def decode_rows_only(fn, op):
+    """`fn` (a GPU backend's op in PREFILL_OPS) for calls of up to DECODE_ROWS rows; larger calls
+    (prefill) run the reference op: what the `prefill` switch leaves when it is off."""
+    ref = getattr(backend_module("reference"), op)
+
+    def call(x, w):
+        rows = x.size // x.shape[-1]
+        return fn(x, w) if rows <= DECODE_ROWS else ref(x, w)
+    return call
+
+
 def _check_activation(x, name="x"):
     if not isinstance(x, mx.array):
         raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")
