@@ -67,7 +67,7 @@ def select(op, backend, **info):
 
 
 DECODE_ROWS = 8   # activation rows (B * L) of the GPU backends' decode kernels
-PREFILL_OPS = ("qkv_proj", "gate_up_silu", "lm_head")
+PREFILL_OPS = ("qkv_proj", "gate_up_silu")
 
 
 def decode_rows_only(fn, op):

@@ -3,8 +3,8 @@
 Ops (the reference signatures, mlx_fastops.backends.reference; `unsupported_<op>(**info)` says why
 a static shape class falls back to the reference):
   qkv_proj, gate_up_silu, lm_head   quantised GEMV for 1-8 activation rows (gemv.py); prefill-sized
-                                    calls: dense matmuls on weights dequantised per call (prefill.py);
-                                    the rows between: stock quantized_matmul
+                                    QKV and gate/up calls: dense matmuls on weights dequantised per
+                                    call (prefill.py); the rest: stock quantized_matmul
   decode_attention                  GQA decode attention over the cache buffers (attention.py)
 Ops without a CUDA kernel (rms_norm_residual, qk_norm_rope, flash_attention, quantized_attention)
 use the reference.

@@ -4,8 +4,8 @@
 
 Epilogues (EPI): 0 plain (+ bias), 1 + residual, 2 SiLU(gate) * up, 3 the QKV head (q/k norm, RoPE,
 k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj,
-gate_up_silu and lm_head run EPI 0 / 2 for up to MAX_ROWS rows; prefill-sized calls run dense
-matmuls on dequantised weights (prefill.py), the rows between stock quantized_matmul. Per call the
+gate_up_silu and lm_head run EPI 0 / 2 for up to MAX_ROWS rows; prefill-sized QKV and gate/up calls
+run dense matmuls on dequantised weights (prefill.py), the rest stock quantized_matmul. Per call the
 kernel is picked by its static shape class (dtype, rows, bits, group size, epilogue); K and N are
 read from the weight's shape at run time.
 """
@@ -206,9 +206,9 @@ def gate_up_silu(x, w):
 
 
 def lm_head(x, w):
+    # Prefill stays on stock quantized_matmul: the output is the whole vocabulary for every prompt
+    # row, and a transient dense weight of the vocabulary is larger than any layer's.
     M = rows(x)
-    if not w.quantized:
+    if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
         return reference.lm_head(x, w)
-    if M > MAX_ROWS or x.dtype != w.scales.dtype:
-        return _linear(x, w)
     return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
