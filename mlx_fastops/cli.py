@@ -1,4 +1,4 @@
-"""mlx-fastops: bench | generate | verify | profile (flags named like mlx-lm's)."""
+"""mlx-fastops: bench | generate | verify | profile | serve (flags named like mlx-lm's)."""
 
 import statistics
 import sys
@@ -245,6 +245,14 @@ def cmd_profile(args):
     return 0
 
 
+def cmd_serve(args):
+    from . import serve
+
+    return serve.serve(args.sources[0], args.server_argv, disable=args.disable,
+                       bits=4 if args.bits is None else args.bits or None, group_size=args.group_size or 64,
+                       dtype=args.dtype)
+
+
 def build_parser():
     p = cli_args.Parser(prog="mlx-fastops", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -311,14 +319,28 @@ def build_parser():
     f.add_argument("--capture", type=output_file,
                    help="Metal GPU capture, FILE.gputrace; Metal only (default: none)")
     f.set_defaults(func=cmd_profile)
+
+    s = sub.add_parser("serve", help="mlx-lm's server (mlx_lm.server) on the patched model", allow_abbrev=False,
+                       description="mlx-lm's OpenAI-compatible server, mlx_lm.server, with the model patched "
+                                   "once it is loaded (the patch report goes to stderr): the same endpoints "
+                                   "(/v1/chat/completions, /v1/completions, streaming or not, /v1/models, "
+                                   "/health) and every other flag of mlx_lm.server (--host, --port, --max-tokens, "
+                                   "...: see mlx_lm.server --help), passed to it as given. --model also takes "
+                                   "a synthetic name. SIGINT or SIGTERM stops it (exit status 0).")
+    _model_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 
 def main(argv=None):
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args, rest = parser.parse_known_args(argv)
+        if rest and args.command != "serve":   # serve passes the flags it does not know to mlx_lm.server
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as e:   # --help, or a bad flag (its one-line error already printed)
         return e.code or 0
+    args.server_argv = rest
     try:
         cli_args.check(args)
         return args.func(args)

@@ -97,6 +97,12 @@ def check(args):
         raise ValueError(problem)
     if args.command in ("generate", "verify") and args.prompt is not None and not args.prompt.strip():
         raise ValueError("--prompt is empty")
+    if args.command == "serve":   # mlx_lm.server's own flags, by its own parser
+        from . import serve
+
+        server = serve.server_args(args.server_argv)
+        if problem := serve.port_problem(server.host, server.port):
+            raise ValueError(problem)
     sources = [models.resolve(spec) for spec in specs]
     shaping = [f"--{flag.replace('_', '-')}" for flag in ("bits", "group_size", "dtype")
                if getattr(args, flag) is not None]

@@ -1,0 +1,187 @@
+"""`mlx-fastops serve`: mlx-lm's own OpenAI-compatible server (`mlx_lm.server`: its flags, endpoints,
+batching and prompt cache) on patched models.
+
+Nothing of the server is re-implemented: `mlx_lm.server.main` runs on the rest of the command line.
+The one seam is its `ModelProvider`, whose `_load` is extended so that every model the server loads
+(the --model one when it starts, any other that a request names) is patched before a request runs
+on it, and its patch report goes to stderr. Draft models (--draft-model) stay stock.
+"""
+
+import _thread
+import contextlib
+import io
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+
+PROG = "mlx-fastops serve"
+
+
+class _Parsed(Exception):
+    """Carries the Namespace out of mlx_lm.server.main when only its parser is wanted."""
+
+
+class _Bare:
+    """Stands in for ModelProvider while only the flags are parsed (the real one loads MLX state)."""
+
+    def __init__(self, cli_args):
+        self.cli_args = cli_args
+
+
+def server_args(argv):
+    """mlx_lm.server's own parser on `argv` (its flags, without --model): the Namespace. A bad flag
+    raises ValueError with argparse's one-line message instead of its usage block."""
+    from mlx_lm import server
+
+    def parsed(host, port, provider, *_, **__):
+        raise _Parsed(provider.cli_args)
+
+    err = io.StringIO()
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        with _swapped(server, run=parsed, ModelProvider=_Bare), _argv(argv), contextlib.redirect_stderr(err):
+            server.main()
+    except _Parsed as e:
+        return e.args[0]
+    except SystemExit as e:
+        lines = err.getvalue().strip().splitlines() or [f"exit status {e.code}"]
+        raise ValueError(lines[-1].removeprefix(f"{PROG}: error: ")) from None
+    finally:
+        # main's logging.basicConfig wrote its handler to the swapped stderr; the real run sets its own
+        logging.root.handlers[:], logging.root.level = handlers, level
+    raise AssertionError("mlx_lm.server.main returned without starting its server")
+
+
+def port_problem(host, port):
+    """Why the server could not listen on (host, port), or None (a bind tried now, as the server's)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host!r}: {e}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as http.server's HTTPServer
+        try:
+            s.bind(address)
+        except OSError as e:
+            return f"cannot listen on {host} port {port}: {e.strerror or e}"
+    return None
+
+
+def patching_provider(disable, failed):
+    """A subclass of mlx_lm.server.ModelProvider whose loaded models are patched (disable: fusion
+    names left stock, as patch() takes them). If the --model one cannot load or be patched, it sets
+    the threading.Event `failed` and interrupts the main thread, which stops the server (mlx_lm's
+    generation thread dies then, and requests would wait for it for ever)."""
+    from mlx_lm import server
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from . import patch
+
+    class PatchingModelProvider(server.ModelProvider):
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            super()._load(model_path, adapter_path, draft_model_path)
+            try:
+                report = patch(self.model, disable=disable)
+            except BaseException:
+                self.reset()   # else the server would keep serving the stock model under this key
+                raise
+            # The server judged batching on the stock model's caches; the patched model's may differ.
+            self.is_batchable = self.is_batchable and all(hasattr(c, "merge") for c in make_prompt_cache(self.model))
+            print(f"[serve] {model_path}: patched\n{report}", file=sys.stderr, flush=True)
+
+        def load_default(self):
+            try:
+                super().load_default()
+            except BaseException:
+                failed.set()
+                _thread.interrupt_main()
+                raise
+
+    return PatchingModelProvider
+
+
+def serve(source, server_argv, disable="", bits=4, group_size=64, dtype=None):
+    """Run mlx_lm.server on models.Source `source` (a synthetic one is written to a temporary
+    directory first: bits, group_size and dtype shape it) with `server_argv` (its other flags) until
+    SIGINT or SIGTERM, then end the process: status 0 after a clean shutdown."""
+    from mlx_lm import server
+
+    # mlx_lm.server shuts down cleanly on KeyboardInterrupt (closes the HTTP server, stops and joins
+    # its generation thread); SIGTERM takes the same way.
+    signal.signal(signal.SIGTERM, _interrupt)
+    folder, status, failed = None, 0, threading.Event()
+    try:
+        folder = synthetic_dir(source.spec, bits, group_size, dtype) if source.synthetic else None
+        with _swapped(server, ModelProvider=patching_provider(disable, failed)), \
+                _argv(["--model", folder or source.spec, *server_argv]):
+            server.main()
+    except KeyboardInterrupt:   # before the server ran, or a second one while it stopped
+        status = 130
+    except Exception as e:
+        print(f"{PROG}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        status = 1
+    finally:
+        _remove(folder)
+    if failed.is_set():   # the error is in mlx_lm.server's log above
+        print(f"{PROG}: error: the model could not be loaded and patched (see above); server stopped", file=sys.stderr)
+        status = 1
+    # Not a normal interpreter exit: MLX aborts in it ("terminate called without an active
+    # exception", mlx 0.32 on its CPU backend, stock mlx_lm.server too) once it ran in a thread
+    # other than the main one, as the server's generation thread; and after an error before the
+    # server ran, that thread (not a daemon) would keep the process alive.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def synthetic_dir(name, bits=4, group_size=64, dtype=None):
+    """A new temporary model directory holding synthetic model `name` (save_synthetic; dtype: a
+    models.DTYPES name or None)."""
+    from .models import DTYPES
+    from .synthetic import save_synthetic
+
+    path = tempfile.mkdtemp(prefix=f"mlx-fastops-serve-{name}-")
+    try:
+        save_synthetic(name, path, bits=bits, group_size=group_size, dtype=DTYPES[dtype] if dtype else None)
+    except BaseException:
+        _remove(path)
+        raise
+    return path
+
+
+def _remove(folder):
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _swapped(module, **names):
+    old = {k: getattr(module, k) for k in names}
+    for k, v in names.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+@contextlib.contextmanager
+def _argv(args):
+    old = sys.argv
+    sys.argv = [PROG, *args]
+    try:
+        yield
+    finally:
+        sys.argv = old
