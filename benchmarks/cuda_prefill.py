@@ -12,15 +12,14 @@ FLOP = 2 M N K. Writes OUT.md and OUT.json.
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
 
+from cuda_kernels import timeit
 from mlx_fastops.backends.cuda import prefill
 from mlx_fastops.bench import machine
 from mlx_fastops.ops.weights import PackedLinear
@@ -33,15 +32,8 @@ SHAPES = [("0.6B gate/up", 1024, 6144), ("4B qkv", 2560, 6144), ("4B gate/up", 2
 
 
 def timed(fn, reps):
-    mx.eval(fn())
-    mx.synchronize()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / CALLS
+    """Seconds per call: cuda_kernels.timeit's median over reps of the graph, divided by CALLS."""
+    return timeit(fn, reps) / CALLS
 
 
 def case(label, K, N, M, reps):
