@@ -62,6 +62,21 @@ def test_transient_weight_waits_for_the_input():
     assert mx.array_equal(y, x @ prefill.dense(w).T)
 
 
+@pytest.mark.parametrize("transform", [None, mx.compile])
+def test_calls_in_flight_are_bounded(transform):
+    """Each prefill call waits for the one IN_FLIGHT_MAX calls back, so a prompt chunk's layers do
+    not all hold their transient weights at once: after more calls than that, only the last
+    IN_FLIGHT_MAX are pending. Inside mx.compile (where nothing may be evaluated) the calls
+    are left to the caller's graph, with the same result."""
+    w = packed(256, 128, 4, 64, mx.bfloat16)
+    x = mx.random.normal((1, 600, 128)).astype(mx.bfloat16)
+    prefill._in_flight.clear()
+    layers = lambda x: [prefill.linear(x, w) for _ in range(3 * prefill.IN_FLIGHT_MAX)][-1]
+    y = (transform or (lambda f: f))(layers)(x)
+    assert len(prefill._in_flight) == (0 if transform else prefill.IN_FLIGHT_MAX)
+    assert mx.array_equal(y, x @ prefill.dense(w).T)
+
+
 @pytest.mark.parametrize("M,paths", [(8, ["gemv"] * 3), (9, ["stock"] * 3), (511, ["stock"] * 3),
                                      (512, ["dense", "dense", "stock"])])
 def test_rows_pick_the_path(M, paths, monkeypatch):

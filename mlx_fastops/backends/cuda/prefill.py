@@ -6,14 +6,25 @@ matmul.
 
 On the H200 MLX's quantized_matmul runs prefill GEMMs at 15-25% of what its dense matmul reaches on
 the same shapes; dequantise + matmul is 1.6-3.8x quantized_matmul at 2048 rows, 2.9-5.4x at 8192,
-but 0.4-0.5x at 64 and 0.6-1.3x at 256 (benchmarks/results/cuda_prefill.md), hence the bound. The
-transient weight is made after the matmul's input: it depends on nothing else, and MLX would
-otherwise dequantise every layer's weights of a prompt chunk up front and hold them all at once.
+but 0.4-0.5x at 64 and 0.6-1.3x at 256 (benchmarks/results/cuda_prefill.md), hence the bound.
+
+Memory: the transient weight is made after the matmul's input (it depends on nothing else, and MLX
+would otherwise dequantise every layer's weights of a prompt chunk up front). That orders the work
+but does not bound what is alive: the host encodes a whole chunk's layers long before the GPU has
+run them, and a buffer goes back to the allocator only once the kernels that use it have run, so
+every layer's transient (and activations) of the chunk would be held at once. So each call waits,
+before returning, until the GPU has finished the call IN_FLIGHT_MAX calls back: the GPU always has
+the last few layers queued (no idle gap), and at most that many transients are alive.
 """
+
+from collections import deque
 
 import mlx.core as mx
 
 PREFILL_MIN_ROWS = 512   # fewer rows stay on quantized_matmul
+IN_FLIGHT_MAX = 4        # prefill calls queued on the GPU at once (2 per decoder layer)
+
+_in_flight = deque()     # one element of each recent call's output, submitted, oldest first
 
 
 def dense(w, after=None):
@@ -23,7 +34,22 @@ def dense(w, after=None):
     return mx.dequantize(q, w.scales, w.biases, group_size=w.group_size, bits=w.bits)
 
 
+def pace(y):
+    """Submit y and wait for the call IN_FLIGHT_MAX calls back. Inside a function transformation
+    (mx.compile, vmap, grad), where nothing may be evaluated, y is left to the caller's graph."""
+    mark = y.reshape(-1)[:1] + 0   # a copy: holding it does not hold y's buffer
+    try:
+        mx.async_eval(mark)
+    except ValueError:
+        return
+    _in_flight.append(mark)
+    while len(_in_flight) > IN_FLIGHT_MAX:
+        mx.eval(_in_flight.popleft())
+
+
 def linear(x, w):
     """x [..., K] @ W^T (+ bias) for a quantised PackedLinear, through a dense matmul."""
     y = x @ dense(w, after=x).T
-    return y if w.bias is None else y + w.bias
+    y = y if w.bias is None else y + w.bias
+    pace(y)
+    return y
