@@ -168,8 +168,8 @@ class FusedAttention(_Fused):
     """Attention with Q/K/V in one op, q/k norm + RoPE in one op, and attention ops.
 
     x [B, L, hidden] -> [B, L, hidden]. settings() turns the ops selected by the patcher
-    ("qkv", "norm_rope", "decode", "prefill", "quantized"; a missing key runs that step as the
-    stock module does) into the module's attributes.
+    ("qkv", "norm_rope", "decode", "prefill", "quantized", "out": o_proj bound to its weights; a
+    missing or None key runs that step as the stock module does) into the module's attributes.
     """
 
     def settings(self, ops, qkv_weights=None, rope=None, adapters=(None, None, None)):
@@ -177,7 +177,8 @@ class FusedAttention(_Fused):
         norm = "_q_norm" in s
         s.update(qkv_weights=qkv_weights, rope_spec=rope, adapters=tuple(adapters), has_qk_norm=norm,
                  decode_fn=ops.get("decode"), prefill_fn=ops.get("prefill"),
-                 quantized_fn=ops.get("quantized"), qkv_fn=None, norm_rope_fn=None)
+                 quantized_fn=ops.get("quantized"), out_fn=ops.get("out") or s["_o"], qkv_fn=None,
+                 norm_rope_fn=None)
         if "qkv" in ops:
             s["qkv_fn"] = (partial(_qkv_lora, op=ops["qkv"], w=qkv_weights, adapters=tuple(adapters))
                            if any(a is not None for a in adapters) else partial(ops["qkv"], w=qkv_weights))
@@ -221,7 +222,7 @@ class FusedAttention(_Fused):
             o = self.prefill_fn(q, k, v, self.scale, mask)
         else:
             o = stock_sdpa(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return self._o(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.out_fn(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class FusedMLP(_Fused):
@@ -230,9 +231,9 @@ class FusedMLP(_Fused):
     With LoRA adapters on gate/up, `proj_fn` is the stacked projection alone (SiLU must follow the
     deltas); without a fused op the stock module's call runs."""
 
-    def settings(self, gate_up_fn=None, weights=None, adapters=(None, None)):
+    def settings(self, gate_up_fn=None, weights=None, adapters=(None, None), down_fn=None):
         s = self.aliases()
-        s.update(gate_up_weights=weights, adapters=tuple(adapters), gate_up_fn=None)
+        s.update(gate_up_weights=weights, adapters=tuple(adapters), gate_up_fn=None, down_fn=down_fn or s["_down"])
         if gate_up_fn is not None:
             s["gate_up_fn"] = (partial(_gate_up_lora, proj=gate_up_fn, w=weights, adapters=tuple(adapters))
                                if any(a is not None for a in adapters) else partial(gate_up_fn, w=weights))
@@ -241,7 +242,7 @@ class FusedMLP(_Fused):
     def __call__(self, x):
         w = self.watch
         if (w.fast or w.ready()) and self.gate_up_fn is not None:
-            return self._down(self.gate_up_fn(x))
+            return self.down_fn(self.gate_up_fn(x))
         return self.stock_call(x)
 
 

@@ -14,6 +14,7 @@ rebuild make goes through a Journal, so a failure part-way leaves the model exac
 """
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -151,6 +152,25 @@ class Planner:
             self.journal.set(module, name, view)
         return packed
 
+    def projection(self, where, module):
+        """`module` (o_proj, down_proj) as the backend's linear op bound to its weights, or None:
+        the stock module runs, unreported on a backend without a linear op (the reference op is
+        the stock module's computation), else reported skipped (off, an adapter, unsupported)."""
+        if self.backend == "reference" or getattr(ops.backend_module(self.backend), "linear", None) is None:
+            return None
+        reason = self.off("out_proj") or ("LoRA adapter: stock" if adapter_of(module)[1] is not None
+                                          else PackedLinear.unsupported([module]))
+        w = None if reason else PackedLinear.stack([module])
+        fn, used, why = (None, None, reason) if reason else ops.select("linear", self.backend, **w.info())
+        if used != self.backend:
+            self.skip(where, "out_proj", why)
+            return None
+        note = ""
+        if self.off("prefill"):
+            fn, note = ops.decode_rows_only(fn, "linear"), "prefill off: stock"
+        self.report.add(where, "out_proj", "fused", used, note)
+        return partial(fn, w=w)
+
     def configure(self, module, settings):
         for name, value in settings.items():
             self.journal.attr(module, name, value)
@@ -185,6 +205,7 @@ class Planner:
                 used.add(backend)
                 notes += [f"{op}: {why}"] if why else []
             self.report.add(where, "attention", "fused", "+".join(sorted(used)), "; ".join(notes))
+        ops_["out"] = self.projection(f"{where}.{names['o']}", attn[names["o"]])
         self.configure(attn, attn.settings(ops_, qkv_weights=w, rope=rope,
                                            adapters=adapters if w is not None else (None,) * 3))
 
@@ -200,7 +221,8 @@ class Planner:
             fn = self.select(where, "gate_up", "lm_head", LORA_NOTE + ", then SiLU", **w.info())
         else:
             fn = self.select(where, "gate_up", "gate_up_silu", **w.info())
-        self.configure(mlp, mlp.settings(fn, w, adapters))
+        down = self.projection(f"{where}.{names['down']}", mlp[names["down"]])
+        self.configure(mlp, mlp.settings(fn, w, adapters, down))
 
     def block(self, where, block):
         names = self.recipe["block"]

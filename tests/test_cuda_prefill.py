@@ -77,12 +77,12 @@ def test_calls_in_flight_are_bounded(transform):
     assert mx.array_equal(y, x @ prefill.dense(w).T)
 
 
-@pytest.mark.parametrize("M,paths", [(8, ["gemv"] * 3), (9, ["stock"] * 3), (511, ["stock"] * 3),
-                                     (512, ["dense", "dense", "stock"])])
+@pytest.mark.parametrize("M,paths", [(8, ["gemv"] * 4), (9, ["stock"] * 4), (511, ["stock"] * 4),
+                                     (512, ["dense", "dense", "stock", "dense"])])
 def test_rows_pick_the_path(M, paths, monkeypatch):
     """Up to MAX_ROWS rows the GEMV kernel, then stock quantized_matmul, from PREFILL_MIN_ROWS the
-    dense prefill path for QKV and gate/up (lm_head stays stock): seen by which of the three
-    functions each op calls."""
+    dense prefill path for QKV, gate/up and linear (o_proj, down; lm_head stays stock): seen by
+    which of the three functions each op calls."""
     seen, stock = [], reference.linear
     monkeypatch.setattr(gemv, "gemv", lambda x, w, epi=0, **k: seen.append("gemv") or
                         mx.zeros((x.shape[0], w.out_features // (2 if epi == 2 else 1)), x.dtype))
@@ -95,15 +95,17 @@ def test_rows_pick_the_path(M, paths, monkeypatch):
     q, k, v = gemv.qkv_proj(x, qkv)
     h = gemv.gate_up_silu(x, gu)
     y = gemv.lm_head(x, qkv)
-    assert (q.shape, k.shape, v.shape, h.shape, y.shape) == ((1, M, 256), (1, M, 64), (1, M, 64), (1, M, 256),
-                                                             (1, M, 384))
+    o = gemv.linear(x, gu)
+    assert (q.shape, k.shape, v.shape, h.shape, y.shape, o.shape) == (
+        (1, M, 256), (1, M, 64), (1, M, 64), (1, M, 256), (1, M, 384), (1, M, 512))
     assert seen == paths, seen
 
 
 @pytest.mark.parametrize("disable,dense", [((), True), (("prefill",), False)])
 def test_prefill_switch(disable, dense, monkeypatch):
-    """A patched model's prompt runs the dense prefill path unless `prefill` is switched off (then
-    stock quantized_matmul, and the report says so); decode keeps the kernels either way."""
+    """A patched model's prompt runs the dense prefill path (QKV, gate/up, o_proj, down: 4 calls a
+    layer) unless `prefill` is switched off (then stock quantized_matmul, and the report says so);
+    decode keeps the kernels either way."""
     import cuda_emu
     from mlx_fastops import kernels, synthetic_model
     import mlx_fastops
@@ -121,6 +123,8 @@ def test_prefill_switch(disable, dense, monkeypatch):
             got = model(prompt)
         finally:
             mlx_fastops.unpatch(model)
-    notes = {e.reason for e in report.fused if e.fusion in ("qkv", "gate_up")}
-    assert bool(calls) is dense and (notes == {"prefill off: stock"}) is (not dense), (calls, notes)
+    notes = {e.reason for e in report.fused if e.fusion in ("qkv", "gate_up", "out_proj")}
+    assert len(calls) == (4 * len(model.layers) if dense else 0), calls
+    assert (notes == {"prefill off: stock"}) is (not dense), notes
+    assert sum(e.fusion == "out_proj" for e in report.fused) == 2 * len(model.layers)
     assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() <= 0.1 * np.abs(np.asarray(ref.astype(mx.float32))).max()

@@ -104,7 +104,7 @@ def ids(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# the linear ops: qkv_proj, gate_up_silu, lm_head
+# the linear ops: qkv_proj, gate_up_silu, lm_head, linear
 
 
 def layers(sizes, k, bits, group, dtype, bias=False, tied=False):
@@ -205,6 +205,22 @@ def test_lm_head(backend, k, vocab, bits, group, dtype, rows, tied):
     w = PackedLinear.from_embedding(m) if tied else PackedLinear.stack([m])
     x = rand((*rows, k), dtype)
     check(backend, "lm_head", (x, w), lambda cast: [stock_linear(m, x, cast)], dtype)
+
+
+LINEAR = [  # K, N, bits, group, dtype, x [B, L], bias: o_proj / down_proj shapes
+    (128, 96, None, None, F32, (1, 1), False),
+    (320, 136, 4, 32, BF16, (1, 1), True),
+    (1152, 129, 4, 128, F16, (2, 3), False),
+    (384, 64, 8, 64, BF16, (1, 8), False),
+    (256, 72, 4, 64, F16, (1, 13), False),        # more rows than the decode kernels take
+]
+
+
+@pytest.mark.parametrize("k,n,bits,group,dtype,rows,bias", LINEAR, ids=[ids(c) for c in LINEAR])
+def test_linear(backend, k, n, bits, group, dtype, rows, bias):
+    (m,) = layers((n,), k, bits, group, dtype, bias)
+    x = rand((*rows, k), dtype)
+    check(backend, "linear", (x, PackedLinear.stack([m])), lambda cast: [stock_linear(m, x, cast)], dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ Shapes (B batch, L tokens, H query heads, Hkv kv heads, D head_dim, S cache leng
   quantized_attention(q, q_keys, q_values, scale, mask, group_size, bits) -> [B,H,L,D]
       over mlx-lm's QuantizedKVCache tuples (packed uint32, scales, biases), each [B,Hkv,S,...]
   lm_head(x[B,L,K], w)                       -> logits [B,L,vocab]
+  linear(x[B,L,K], w)                        -> x @ W^T (+ bias)  [B,L,N]  (o_proj, down_proj)
 """
 
 import importlib
@@ -33,6 +34,7 @@ OPS = (
     "flash_attention",
     "quantized_attention",
     "lm_head",
+    "linear",
 )
 
 _FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -67,7 +69,7 @@ def select(op, backend, **info):
 
 
 DECODE_ROWS = 8   # activation rows (B * L) of the GPU backends' decode kernels
-PREFILL_OPS = ("qkv_proj", "gate_up_silu")
+PREFILL_OPS = ("qkv_proj", "gate_up_silu", "linear")
 
 
 def decode_rows_only(fn, op):
@@ -118,6 +120,11 @@ def gate_up_silu(x, w, backend=None):
 def lm_head(x, w, backend=None):
     _check_linear(x, w)
     return _run("lm_head", (x, w), w.info(), backend)
+
+
+def linear(x, w, backend=None):
+    _check_linear(x, w)
+    return _run("linear", (x, w), w.info(), backend)
 
 
 def rms_norm_residual(x, residual, weight, eps, backend=None):

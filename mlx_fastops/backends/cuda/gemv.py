@@ -174,6 +174,10 @@ def unsupported_lm_head(**info):
     return _unsupported_linear(**info)
 
 
+def unsupported_linear(**info):
+    return _unsupported_linear(**info)
+
+
 def unsupported_gate_up_silu(**info):
     return _unsupported_linear(**info) or ("bias on gate/up" if info.get("bias") else None)
 
@@ -205,10 +209,21 @@ def gate_up_silu(x, w):
     return gemv(x.reshape(M, -1), w, epi=2).reshape(*x.shape[:-1], w.splits[0])
 
 
+def _gemv_rows(x, w):
+    M = rows(x)
+    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
+
+
+def linear(x, w):
+    """One projection (o_proj, down_proj) where a block is not one launch."""
+    if rows(x) > MAX_ROWS or x.dtype != w.scales.dtype:
+        return _linear(x, w)
+    return _gemv_rows(x, w)
+
+
 def lm_head(x, w):
     # Prefill stays on stock quantized_matmul: the output is the whole vocabulary for every prompt
     # row, and a transient dense weight of the vocabulary is larger than any layer's.
-    M = rows(x)
-    if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
+    if not w.quantized or rows(x) > MAX_ROWS or x.dtype != w.scales.dtype:
         return reference.lm_head(x, w)
-    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
+    return _gemv_rows(x, w)

@@ -22,7 +22,7 @@ from collections import deque
 import mlx.core as mx
 
 PREFILL_MIN_ROWS = 512   # fewer rows stay on quantized_matmul
-IN_FLIGHT_MAX = 4        # prefill calls queued on the GPU at once (2 per decoder layer)
+IN_FLIGHT_MAX = 8        # prefill calls queued on the GPU at once (4 per decoder layer)
 
 _in_flight = deque()     # one element of each recent call's output, submitted, oldest first
 
