@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import config, ops
+from . import config, ops, tuner
 from .families import RECIPES_ENV, recipes
 from .modules import FusedAttention, FusedMLP, head_class
 from .ops.weights import PackedLinear, RopeSpec, adapter_of, out_features
@@ -46,6 +46,7 @@ class PatchReport:
     family: str
     backend: str
     entries: list = field(default_factory=list)
+    tuning: object = None   # tuner.Tuning where patch() tuned (measured or cached), else None
 
     def add(self, where, fusion, status, backend="", reason=""):
         self.entries.append(Entry(where, fusion, status, backend, reason))
@@ -71,12 +72,15 @@ class PatchReport:
                  "| fusion | status | backend | count | note |", "|---|---|---|---|---|"]
         for fusion, status, backend, reason, n in self.summary():
             lines.append(f"| {fusion} | {status} | {backend or '-'} | {n} | {reason} |")
+        if self.tuning is not None:
+            lines += ["", self.tuning.table()]
         return "\n".join(lines)
 
     def to_dict(self):
         return {"family": self.family, "backend": self.backend,
                 "summary": [dict(zip(("fusion", "status", "backend", "reason", "count"), r))
-                            for r in self.summary()]}
+                            for r in self.summary()],
+                "tuning": self.tuning.to_dict() if self.tuning is not None else None}
 
 
 def text_model(model):
@@ -108,14 +112,15 @@ class Planner:
     """Sets one patch's fused modules up from their current children (PatchState.build calls it
     per block, then for the head); every change through the journal, every outcome in the report."""
 
-    def __init__(self, recipe, backend, disabled, report, journal):
+    def __init__(self, recipe, backend, disabled, report, journal, reasons):
         self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
-        self.journal = journal
+        self.journal, self.reasons = journal, reasons
 
     def off(self, fusion):
-        """Why `fusion` is not to be applied (switched off, or not in the family's recipe), or None."""
+        """Why `fusion` is not to be applied (switched off: by the user, or by the tuner, which
+        says why in `reasons`; or not in the family's recipe), or None."""
         if fusion in self.disabled:
-            return "disabled"
+            return self.reasons.get(fusion, "disabled")
         if fusion not in self.recipe["fusions"]:
             return f"not in the {self.recipe['family']} recipe"
         return None
@@ -253,8 +258,9 @@ class Planner:
 def _plan(state, journal):
     """PatchState's plan: every fused block of `state`, then the head, set up from the model's
     current modules. Returns (report, head, the fusions switched off)."""
-    report = PatchReport(state.recipe["family"], state.backend)
-    p = Planner(state.recipe, state.backend, state.disabled, report, journal)
+    report = PatchReport(state.recipe["family"], state.backend, tuning=state.tuning)
+    reasons = state.tuning.reasons() if state.tuning is not None else {}
+    p = Planner(state.recipe, state.backend, state.disabled, report, journal, reasons)
     for i, block in enumerate(decoder_layers(state.text)):
         if state.owns(block):
             p.block(f"layers.{i}", block)
@@ -271,12 +277,15 @@ class _Head:
         return self.fn(x, self.w)
 
 
-def patch(model, disable=()):
+def patch(model, disable=(), tune=None):
     """Swap the model's modules for fused ones in place; returns a PatchReport.
 
     Patching an already patched model is a no-op that returns its report. `disable` takes
     fusion names (see mlx_fastops.config.FUSIONS; a list or a comma-separated string), added to
-    MLX_FASTOPS_DISABLE. If anything fails, the model is left exactly as it was.
+    MLX_FASTOPS_DISABLE. `tune` ("auto", "on", "off", "force", True/False or a Tuner; default
+    MLX_FASTOPS_TUNE, else "auto": see mlx_fastops.tuner) times each fusion against stock on this
+    device, or takes the cached decision, and leaves stock whatever does not win. If anything
+    fails, the model is left exactly as it was.
     """
     state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
     if state is not None:
@@ -284,17 +293,39 @@ def patch(model, disable=()):
     recipe = _family(model)
     disabled = config.disabled(disable)
     backend = config.backend_name()
+    how = tune if isinstance(tune, tuner.Tuner) else tuner.Tuner(config.tune_mode(tune))
+    tuning = None
+    if how.measures(backend):
+        try:
+            tuning = tuner.tune(text_model(model), recipe, backend, disabled, how,
+                                lambda off: _apply(model, recipe, backend, off), lambda: unpatch(model))
+        except BaseException as e:
+            if hasattr(e, "add_note"):
+                e.add_note("mlx_fastops.patch failed while tuning; the model is unpatched")
+            raise
+        disabled = disabled | tuning.off
+    return _apply(model, recipe, backend, disabled, tuning).report
+
+
+def _apply(model, recipe, backend, disabled, tuning=None):
+    """Patch `model` with the fusions in `disabled` off (tuning: the decisions that switched some
+    of them off, for the report); returns its PatchState. Atomic."""
     parked = model.__dict__.get(_PARKED)
     journal = Journal()
+    reasons = tuning.reasons() if tuning is not None else {}
     try:
         journal.attr(model, _PARKED)
-        if parked is not None and (parked.backend, parked.disabled) == (backend, disabled) and parked.unchanged():
+        if (parked is not None and (parked.backend, parked.disabled) == (backend, disabled) and parked.unchanged()
+                and (parked.tuning.reasons() if parked.tuning is not None else {}) == reasons):
             # Re-patch after unpatch, the model untouched since: the same fused state again.
             parked.resume(journal)
+            journal.attr(parked, "tuning", tuning)
+            journal.attr(parked.report, "tuning", tuning)
             journal.attr(model, _STATE, parked)
-            return parked.report
+            return parked
         text = text_model(model)
         state = PatchState(model, text, recipe, backend, disabled, _plan)
+        state.tuning = tuning
         layers = decoder_layers(text)
         for i, block in enumerate(list(layers)):
             journal.set(layers, i, state.wrap(block))
@@ -307,7 +338,7 @@ def patch(model, disable=()):
         if hasattr(e, "add_note"):
             e.add_note("mlx_fastops.patch failed; the model is unchanged")
         raise
-    return state.report
+    return state
 
 
 def _warm_up(model, backend):
