@@ -90,10 +90,10 @@ def cmd_tune(args):
     t0 = time.perf_counter()
     report = patch(model, disable=args.disable, tune=tuner)
     wall = time.perf_counter() - t0
-    print(f"model: {label}\n{report.tuning.table()}\n\nfirst tuning: {wall:.1f} s wall (patch included), "
-          f"{report.tuning.seconds:.1f} s measuring; decisions cached in {tune_cache.path()}\n\n{report}")
+    print(f"model: {label}\n{report}\n\nfirst tuning: {wall:.1f} s wall (patch included), "
+          f"{report.tuning.seconds:.1f} s measuring; decisions cached in {tune_cache.path()}")
     if args.json:
-        doc = {"machine": bench.machine(), "model": label, "settings": {**tuner.shapes(), "samples": args.samples},
+        doc = {"machine": bench.machine(), "model": label, "settings": {**tuner.shapes(), "samples": tuner.samples},
                "wall_s": wall, "cache": str(tune_cache.path()), "patch": report.to_dict()}
         args.json.write_text(json.dumps(doc, indent=1))
     return 0
@@ -356,8 +356,8 @@ def build_parser():
     _model_args(t)
     t.add_argument("--rows", type=list_at_least(1), default=[1, 4],
                    help="decode batch sizes, comma-separated (default: 1,4)")
-    t.add_argument("--prefill", type=list_at_least(1), default=[512],
-                   help="prefill chunk lengths, comma-separated (default: 512)")
+    t.add_argument("--prefill", type=list_at_least(1), default=None,
+                   help="prefill chunk lengths, comma-separated (default: 512,2048 on a GPU, 512 without one)")
     t.add_argument("--context", type=at_least(1), default=512,
                    help="KV length of decode attention and of the prompt before timed decode steps (default: 512)")
     t.add_argument("--samples", type=at_least(4), default=15,

@@ -112,9 +112,12 @@ class Planner:
     """Sets one patch's fused modules up from their current children (PatchState.build calls it
     per block, then for the head); every change through the journal, every outcome in the report."""
 
-    def __init__(self, recipe, backend, disabled, report, journal, reasons):
+    def __init__(self, recipe, backend, disabled, report, journal, tuning):
         self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
-        self.journal, self.reasons = journal, reasons
+        self.journal = journal
+        self.reasons = tuning.reasons() if tuning is not None else {}
+        prefill = tuning.decisions.get("prefill") if tuning is not None else None
+        self.prefill_above = prefill.above if prefill is not None and prefill.kept else None
 
     def off(self, fusion):
         """Why `fusion` is not to be applied (switched off: by the user, or by the tuner, which
@@ -138,6 +141,9 @@ class Planner:
         fn, used, reason = ops.select(op, self.backend, **info)
         if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill"):
             fn, note = ops.decode_rows_only(fn, op), "; ".join(n for n in (note, "prefill off: stock") if n)
+        elif op in ops.PREFILL_OPS and used != "reference" and self.prefill_above is not None:
+            fn = ops.decode_rows_only(fn, op, self.prefill_above)
+            note = "; ".join(n for n in (note, f"prefill tuned: stock up to {self.prefill_above} rows") if n)
         self.report.add(where, fusion, "fused", used, "; ".join(r for r in (note, reason) if r))
         return fn
 
@@ -259,8 +265,7 @@ def _plan(state, journal):
     """PatchState's plan: every fused block of `state`, then the head, set up from the model's
     current modules. Returns (report, head, the fusions switched off)."""
     report = PatchReport(state.recipe["family"], state.backend, tuning=state.tuning)
-    reasons = state.tuning.reasons() if state.tuning is not None else {}
-    p = Planner(state.recipe, state.backend, state.disabled, report, journal, reasons)
+    p = Planner(state.recipe, state.backend, state.disabled, report, journal, state.tuning)
     for i, block in enumerate(decoder_layers(state.text)):
         if state.owns(block):
             p.block(f"layers.{i}", block)
@@ -312,11 +317,10 @@ def _apply(model, recipe, backend, disabled, tuning=None):
     of them off, for the report); returns its PatchState. Atomic."""
     parked = model.__dict__.get(_PARKED)
     journal = Journal()
-    reasons = tuning.reasons() if tuning is not None else {}
     try:
         journal.attr(model, _PARKED)
         if (parked is not None and (parked.backend, parked.disabled) == (backend, disabled) and parked.unchanged()
-                and (parked.tuning.reasons() if parked.tuning is not None else {}) == reasons):
+                and tuner.same_plan(parked.tuning, tuning)):
             # Re-patch after unpatch, the model untouched since: the same fused state again.
             parked.resume(journal)
             journal.attr(parked, "tuning", tuning)

@@ -37,6 +37,7 @@ class Probe:
     make: Callable             # () -> tuple of inputs
     fused: Callable            # (*inputs) -> array or tuple of arrays
     stock: Callable
+    rows: int = 0              # prefill probes: the rows of the call
 
 
 def _randn(*shape, dtype):
@@ -125,5 +126,5 @@ def _prefill(state, attn, mlp, prefill, dtype, hidden):
         ref = getattr(ops.backend_module("reference"), op)
         for p in prefill:
             out.append(Probe("prefill", f"{op} prefill {p}", _inputs(_randn(1, p, hidden, dtype=dtype)),
-                             lambda x, fn=fn, w=w: fn(x, w), lambda x, ref=ref, w=w: ref(x, w)))
+                             lambda x, fn=fn, w=w: fn(x, w), lambda x, ref=ref, w=w: ref(x, w), p))
     return out

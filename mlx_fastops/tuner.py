@@ -57,9 +57,11 @@ class Tuner:
     attention and the prompt before timed decode steps; samples: timed samples per side and shape;
     steps: decode steps timed per variant and round of the whole-step switches (rounds of them)."""
 
-    def __init__(self, mode="on", rows=(1, 4), prefill=(512,), context=512, samples=15, steps=8, rounds=3,
+    def __init__(self, mode="on", rows=(1, 4), prefill=None, context=512, samples=15, steps=8, rounds=3,
                  timer=wall_clock, quiet=False):
         self.mode = config.tune_mode(mode)
+        if prefill is None:   # mlx-lm's prefill chunk (2048) too, where a GPU makes it cheap
+            prefill = (512, 2048) if mx.metal.is_available() or mx.cuda.is_available() else (512,)
         if not rows or not prefill or min(*rows, *prefill, context) < 1 or samples < 4 or steps < 2 or rounds < 1:
             raise ValueError(f"Tuner needs rows, prefill and context >= 1, samples >= 4, steps >= 2, rounds >= 1; "
                              f"got rows={rows}, prefill={prefill}, context={context}, samples={samples}, "
@@ -103,6 +105,7 @@ class Decision:
     kept: bool
     note: str
     shapes: list = field(default_factory=list)
+    above: int = None   # prefill only: the backend's path runs for more rows than this, stock up to it
 
     @property
     def ratio(self):
@@ -118,6 +121,28 @@ def _judge(fusion, shapes):
         return Decision(fusion, False, "no shape faster than stock beyond the spread", shapes)
     ties = [s.shape for s, v in zip(shapes, verdicts) if v == "tie"]
     return Decision(fusion, True, "faster" + (f" (ties at {', '.join(ties)})" if ties else ""), shapes)
+
+
+def _judge_prefill(sized):
+    """`prefill` from [(rows, Shape)] (each op at each size): kept above the largest size where
+    some op does not win, if it wins at the largest size; there, what the trend of GEMMs (more
+    rows, more reuse of each dequantised weight) makes likely above it as well."""
+    sizes = sorted({n for n, _ in sized})
+    shapes = [s for _, s in sized]
+    won = {n: all(s.verdict == "win" for m, s in sized if m == n) for n in sizes}
+    if not won[sizes[-1]]:
+        d = _judge("prefill", [s for n, s in sized if n == sizes[-1]])
+        return Decision("prefill", False, d.note + f" at {sizes[-1]} rows", shapes)
+    short = [n for n in sizes if not won[n]]
+    if not short:
+        return Decision("prefill", True, "faster", shapes)
+    return Decision("prefill", True, f"faster above {max(short)} rows; stock up to them", shapes, max(short))
+
+
+def same_plan(a, b):
+    """Whether two tunings (or None) patch the same way (a parked fused state can be resumed)."""
+    plan = lambda t: (t.reasons(), t.decisions.get("prefill", Decision("", False, "")).above) if t else ({}, None)
+    return plan(a) == plan(b)
 
 
 @dataclass
@@ -166,7 +191,10 @@ class Tuning:
                       for s in d["shapes"]]
             if any(len(s.fused_s) < 2 or len(s.stock_s) < 2 or min(*s.fused_s, *s.stock_s) <= 0 for s in shapes):
                 raise ValueError(f"bad timings for {d['fusion']}")
-            decisions[d["fusion"]] = Decision(d["fusion"], d["kept"], d["note"], shapes)
+            above = d.get("above")
+            if above is not None and (type(above) is not int or above < 1):
+                raise ValueError(f"bad prefill rows {above!r}")
+            decisions[d["fusion"]] = Decision(d["fusion"], d["kept"], d["note"], shapes, above)
         return cls(str(doc["device"]), source, float(doc["seconds"]), decisions)
 
 
@@ -187,10 +215,12 @@ def measure(probe, timer, samples):
     inputs = [probe.make()]
     mx.eval(inputs)
     sides = (probe.fused, probe.stock)
+    one = []
     for side in sides * 2:   # builds kernels, then a single call's time on the wall clock
         t0 = time.perf_counter()
         mx.eval(side(*inputs[0]))
-        one = time.perf_counter() - t0
+        one.append(time.perf_counter() - t0)
+    one = max(one[2:])
     reps = max(1, min(MAX_REPS, int(TARGET_S / max(one, 1e-6))))
     inputs += [probe.make() for _ in range(reps - 1)]
     mx.eval(inputs)
@@ -234,10 +264,17 @@ def tune(text, recipe, backend, disabled, tuner, apply, remove):
 
 
 def _per_op(state, tuner):
-    shapes = {}
+    shapes, prefill = {}, []
     for probe in probes(state, tuner.rows, tuner.prefill, tuner.context):
-        shapes.setdefault(probe.fusion, []).append(Shape(probe.shape, *measure(probe, tuner.timer, tuner.samples)))
-    return {fusion: _judge(fusion, s) for fusion, s in shapes.items()}
+        shape = Shape(probe.shape, *measure(probe, tuner.timer, tuner.samples))
+        if probe.fusion == "prefill":
+            prefill.append((probe.rows, shape))
+        else:
+            shapes.setdefault(probe.fusion, []).append(shape)
+    out = {fusion: _judge(fusion, s) for fusion, s in shapes.items()}
+    if prefill:
+        out["prefill"] = _judge_prefill(prefill)
+    return out
 
 
 def _whole_step(model, disabled, decisions, fused, parts, tuner, apply, remove):

@@ -2,20 +2,22 @@
 double is turned off and the others kept, a fast one kept (real clock and injected clock);
 decisions cached and reused without timing, a corrupt or stale cache ignored with a warning; the
 tuned model's outputs equal the untuned patched model's with the same fusions off; when "auto"
-measures; `mlx-fastops tune` and `bench --tune` end to end on a tiny model."""
+measures; `prefill` kept per chunk size; the whole-step switches (a stub DecodePath on the CPU)
+and the parts they keep on; `mlx-fastops tune` and `bench --tune` end to end on a tiny model (bad
+flags: tests/test_cli.py's table)."""
 
 import json
 import time
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import mlx_fastops
-from mlx_fastops import kernels, tune_cache
-from mlx_fastops.backends import reference
+from mlx_fastops import kernels, ops, tune_cache
+from mlx_fastops.backends import DecodePath, reference
 from mlx_fastops.cli import main
-from mlx_fastops.tuner import Shape, Tuner, _judge
+from mlx_fastops.tuner import Shape, Tuner, _judge, _judge_prefill
 
 SMALL = {"rows": (1, 2), "prefill": (8,), "context": 24, "samples": 5, "quiet": True}
 PER_OP = {"qkv", "gate_up", "qk_norm_rope", "residual_norm", "lm_head", "attention"}
@@ -229,13 +231,6 @@ def test_cli_tune_writes_the_decisions(tmp_path, capsys, cache_dir):
     assert (cache_dir / "tune.json").is_file()
 
 
-@pytest.mark.parametrize("argv", [["--samples", "2"], ["--rows", "0"], ["--prefill", "x"], ["--json", "/no/such/f"]])
-def test_cli_tune_refuses_bad_flags(capsys, argv):
-    assert main(["tune", "--model", "qwen3-tiny", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "error" in err
-
-
 def test_bench_tune_adds_a_tuned_column(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", "qwen3-tiny", "-p", "8", "-g", "2", "-n", "1", "--warmup", "0", "--tune",
@@ -244,3 +239,76 @@ def test_bench_tune_adds_a_tuned_column(tmp_path):
     assert result["variants"] == ["stock", "patched", "tuned"]
     assert result["patch"]["patched"]["tuning"] is None and result["patch"]["tuned"]["tuning"]["decisions"]
     assert all("tuned" in row["variants"] for row in result["rows"])
+
+
+@pytest.mark.parametrize("verdicts, kept, above", [
+    ({512: "win", 2048: "win"}, True, None),
+    ({512: "tie", 2048: "win"}, True, 512),      # stock up to 512 rows, the backend's path above
+    ({512: "loss", 1024: "win", 2048: "win"}, True, 512),
+    ({512: "win", 1024: "tie", 2048: "win"}, True, 1024),
+    ({512: "win", 2048: "tie"}, False, None),    # no win at the largest chunk: off
+])
+def test_prefill_is_kept_above_the_sizes_it_does_not_win(verdicts, kept, above):
+    times = {"win": ([1.0] * 5, [2.0] * 5), "tie": ([1.0] * 5, [1.0] * 5), "loss": ([2.0] * 5, [1.0] * 5)}
+    sized = [(n, Shape(f"{op} prefill {n}", *times[v])) for n, v in verdicts.items() for op in ("qkv", "gate_up")]
+    decision = _judge_prefill(sized)
+    assert (decision.kept, decision.above) == (kept, above)
+
+
+@pytest.mark.parametrize("rows, above, runs", [
+    (1, None, "fn"), (8, None, "fn"), (9, None, "ref"), (4096, None, "ref"),
+    (8, 512, "fn"), (512, 512, "ref"), (513, 512, "fn"), (2047, 512, "fn"),
+])
+def test_decode_rows_only_runs_the_backend_op_above_the_tuned_rows(monkeypatch, rows, above, runs):
+    monkeypatch.setattr(reference, "qkv_proj", lambda x, w: "ref")
+    call = ops.decode_rows_only(lambda x, w: "fn", "qkv_proj", above)
+    assert call(mx.zeros((1, rows, 4)), None) == runs
+
+
+class StubDecodePath(DecodePath):
+    """A whole-step decode path on the reference backend that takes no call (the blocks compose
+    their ops): what the tuner's whole-step timing needs of a DecodePath, on the CPU."""
+    parts = ("qkv", "residual_norm")
+
+    def block(self, fused_block, disabled):
+        if set(self.parts) & disabled:
+            return None, "parts disabled"
+        fast = lambda x, cache: None
+        fast.cache_type = KVCache
+        return fast, None
+
+    def install(self, model, fasts, disabled):
+        return None, [("compile", "skipped" if "compile" in disabled else "fused", "")]
+
+
+class StepClock(ScriptedClock):
+    """ScriptedClock for the ops; whole decode steps take `steps[variant]` ms."""
+
+    def __init__(self, speed, steps):
+        super().__init__(speed)
+        self.steps = steps
+
+    def __call__(self, fusion, variant, run):
+        t = super().__call__(fusion, variant, run)
+        return t * self.steps[variant] if variant in self.steps else t
+
+
+@pytest.mark.parametrize("steps, kept", [
+    ({"composed": 1.0, "fast": 0.5, "compiled": 0.4}, {"fast_decode", "compile"}),
+    ({"composed": 1.0, "fast": 0.5, "compiled": 0.8}, {"fast_decode"}),
+    ({"composed": 1.0, "fast": 1.2, "compiled": 0.5}, {"fast_decode", "compile"}),
+    ({"composed": 1.0, "fast": 1.0, "compiled": 1.0}, set()),
+    ({"composed": 1.0, "fast": 2.0, "compiled": 2.0}, set()),
+])
+def test_whole_step_switches_and_the_parts_they_keep_on(monkeypatch, steps, kept):
+    monkeypatch.setattr(reference, "DECODE_PATH", StubDecodePath())
+    # per op: residual_norm ties (off on its own), qkv wins, lm_head loses
+    clock = StepClock({"residual_norm": 1.0, "lm_head": 2.0}, steps)
+    report = mlx_fastops.patch(model(), tune=Tuner(timer=clock, steps=3, rounds=2, **SMALL))
+    d = report.tuning.decisions
+    assert {f for f in ("fast_decode", "compile") if d[f].kept} == kept
+    assert d["residual_norm"].kept is ("fast_decode" in kept) and not d["lm_head"].kept and d["qkv"].kept
+    if "fast_decode" in kept:
+        assert d["residual_norm"].note.startswith("kept: part of fast_decode")
+    fused = {e.fusion for e in report.fused}
+    assert ("fast_decode" in fused) is ("fast_decode" in kept) and ("compile" in fused) is ("compile" in kept)
