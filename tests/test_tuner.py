@@ -166,8 +166,14 @@ def _logits(m, prompt):
     return mx.concatenate([o[:, -1] for o in out])
 
 
-@pytest.mark.parametrize("speed", [{"qkv": 3.0, "residual_norm": 2.0}, {"attention": 2.0, "gate_up": 4.0}])
-def test_tuned_outputs_equal_the_untuned_patch_with_the_same_fusions_off(speed):
+@pytest.mark.parametrize("name, bits, speed", [
+    ("qwen3-tiny", 4, {"qkv": 3.0, "residual_norm": 2.0}),
+    ("qwen3-tiny", 4, {"attention": 2.0, "gate_up": 4.0}),
+    ("llama-tiny", 4, {"lm_head": 2.0, "qk_norm_rope": 1.5}),   # an untied head
+    ("qwen2-tiny", None, {"qkv": 2.0}),
+])
+def test_tuned_outputs_equal_the_untuned_patch_with_the_same_fusions_off(name, bits, speed):
+    model = lambda: mlx_fastops.synthetic_model(name, bits=bits)
     prompt = mx.random.randint(0, 4096, (20,), key=mx.random.key(3))
     stock = _logits(model(), prompt)
     tuned = model()
