@@ -93,14 +93,14 @@ def variants(name, group_all):
     out = [("stock", synthetic_model(name, bits=4), None)]
     for label, disable in (("patched", ""), ("without compile", "compile"), ("without fast_decode", "fast_decode")):
         m = synthetic_model(name, bits=4)
-        mlx_fastops.patch(m, disable=disable)
+        mlx_fastops.patch(m, disable=disable, tune="off")   # every kernel, untuned
         out.append((label, m, None))
     if group_all:
         saved = block.GROUP_MAX_WEIGHTS
         block.GROUP_MAX_WEIGHTS = 1 << 40   # read when the FastBlocks are made, at patch time
         try:
             m = synthetic_model(name, bits=4)
-            mlx_fastops.patch(m)
+            mlx_fastops.patch(m, tune="off")
         finally:
             block.GROUP_MAX_WEIGHTS = saved
         out.append(("every layer in one launch", m, None))

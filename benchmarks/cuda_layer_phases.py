@@ -65,7 +65,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
-    mlx_fastops.patch(model, disable=disable)
+    mlx_fastops.patch(model, disable=disable, tune="off")   # the kernels themselves, untuned
     fbs = [b.fast_fn for b in model.model.layers]
     fb = fbs[0]
     S = -(-(prompt + 1) // cache.StaticKVCache.step) * cache.StaticKVCache.step

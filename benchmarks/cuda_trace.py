@@ -94,7 +94,7 @@ def main():
     js = []
     for label in ("stock", "patched"):
         if label == "patched":
-            mlx_fastops.patch(model)
+            mlx_fastops.patch(model, tune="off")   # every kernel, untuned
         prof, wall = trace(model, prompt, a.steps)
         t, j = summarise(f"{a.model} {label}, decode after {a.prompt}", prof, wall, a.steps, a.top)
         print(t, flush=True)

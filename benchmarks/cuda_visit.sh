@@ -6,6 +6,10 @@
 #   correctness  both suites side by side (each over 4 pytest-xdist workers where xdist is installed)
 #   bench        the README's table: mlx-fastops bench, 4 models, -p 512,2048,8192 -g 128 -n 3 -> results/cuda_bench.*
 #   ab NAMES...  the bench and the phase tables, each beside a copy patched without each NAMES
+#   tune         mlx-fastops tune on Qwen3-0.6B and Qwen3-4B (the decisions, the first tuning's wall
+#                time) -> results/cuda_tune_MODEL.*
+#   tune_bench   bench --tune on both, -p 512,2048 -g 128 -n 3 (stock, all fusions, tuned; the decisions
+#                cached by `tune` in this visit, else measured again) -> results/cuda_tune.*
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
 #   prefill      prefill GEMMs: stock quantized_matmul, ours, dense matmul, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
@@ -58,6 +62,18 @@ case "$mode" in
     tail -n 3 "$OUT/visit_models.txt"; tail -n 4 "$OUT/visit_tests.txt" ;;
   bench)
     bench "$R/cuda_bench" 560; cp "$R"/cuda_bench.* "$OUT/" ;;
+  tune)
+    for m in qwen3-0.6b qwen3-4b; do
+      timeout 280 python3 -m mlx_fastops tune --model $m --json "$R/cuda_tune_$m.json" > "$R/cuda_tune_$m.md" \
+        2> "$LOGS/tune_$m.log"
+      grep -E "^\| |^first tuning" "$R/cuda_tune_$m.md" | tail -n 13
+    done
+    cp "$R"/cuda_tune_* "$OUT/" ;;
+  tune_bench)
+    timeout 560 python3 -m mlx_fastops bench --model qwen3-0.6b,qwen3-4b -p 512,2048 -g 128 -n 3 --tune \
+      --json "$R/cuda_tune.json" --markdown "$R/cuda_tune.md" > "$LOGS/bench_tune.log" 2>&1
+    grep -E "^\| (qwen|llama)" "$R/cuda_tune.md" | cut -c1-200
+    cp "$R"/cuda_tune.* "$OUT/" ;;
   ab)
     : "${2:?usage: cuda_visit.sh ab NAMES [NAMES...]}"
     A="$OUT/ab"; mkdir -p "$A"; LOGS=$A; n=$(($# - 1)); bvar=(); pdis=()

@@ -9,7 +9,8 @@
 from .config import FUSIONS
 from .patcher import PatchReport, is_patched, patch, unpatch
 from .synthetic import save_synthetic, synthetic_model
+from .tuner import Tuner
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "is_patched", "PatchReport", "synthetic_model", "save_synthetic",
+__all__ = ["patch", "unpatch", "is_patched", "PatchReport", "synthetic_model", "save_synthetic", "Tuner",
            "FUSIONS", "__version__"]

@@ -173,15 +173,17 @@ def _rows(n_prompt, gen, runs, names):
 
 def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=(), extra=(), seed=0,
         progress=True):
-    """Stock and patched (with `disable` left stock) on one model object, unpatch/patch between
-    generations (patch reuses the parked fused modules and compiled step). extra: [(name, model,
-    disable)], more variants, each a separate copy patched once with its `disable` (patch settings
-    belong to a model object). Leaves `model` patched. Returns the model's result."""
-    report = patch(model, disable=disable)
-    variants = [("stock", model, lambda: unpatch(model)), ("patched", model, lambda: patch(model, disable=disable))]
+    """Stock and patched (every fusion but `disable`, untuned) on one model object, unpatch/patch
+    between generations (patch reuses the parked fused modules and compiled step). extra: [(name,
+    model, disable, tune)], more variants, each a separate copy patched once with its `disable` and
+    `tune` (patch settings belong to a model object; a tuned copy's patch report holds the tuner's
+    decisions and how long they took). Leaves `model` patched. Returns the model's result."""
+    report = patch(model, disable=disable, tune="off")
+    variants = [("stock", model, lambda: unpatch(model)),
+                ("patched", model, lambda: patch(model, disable=disable, tune="off"))]
     reports = {"patched": report.to_dict()}
-    for name, copy, copy_disable in extra:
-        reports[name] = patch(copy, disable=copy_disable).to_dict()
+    for name, copy, copy_disable, tune in extra:
+        reports[name] = patch(copy, disable=copy_disable, tune=tune).to_dict()
         variants.append((name, copy, None))
     if progress:
         say = Progress(label)
@@ -189,7 +191,7 @@ def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=
         say.done()
     else:
         rows = compare(variants, prompts, gen, trials, warmup, seed)
-    patch(model, disable=disable)
+    patch(model, disable=disable, tune="off")
     return {"model": label, "quant": quant_label(model), "variants": [v[0] for v in variants], "rows": rows,
             "patch": reports}
 
@@ -282,7 +284,9 @@ def to_markdown(doc):
                   f"their time, after an N-token prompt. Median (min-max) of {settings['trials']} trials after "
                   f"{settings['warmup']} warm-up round(s), variants in rotating order; ratio of medians to stock. "
                   "Greedy agreement: generated tokens equal to stock's from the first on (fewest over the trials)."
-              + (f" Patched with {disable} left stock." if disable else ""),
+              + (f" Patched with {disable} left stock." if disable else "")
+              + (" tuned: patched with tune, each fusion timed against stock on this device and kept only "
+                 "where it wins (the decisions are below)." if "tuned" in names else ""),
               f"{m['backend']} backend, {m['device']}{gpu}; mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, "
               f"mlx_fastops {m['mlx_fastops']}, commit {m['commit'] or '-'} (sources {m['sources']}), {m['date']}; "
               f"{m['platform']}, Python {m['python']}."]

@@ -1,4 +1,4 @@
-"""mlx-fastops: bench | generate | verify | profile | serve (flags named like mlx-lm's)."""
+"""mlx-fastops: bench | generate | verify | profile | tune | serve (flags named like mlx-lm's)."""
 
 import statistics
 import sys
@@ -51,7 +51,10 @@ def cmd_bench(args):
     for source in args.sources:
         model, _, label, note = _load(args, source)
         # a variant is a copy of its own (patch settings belong to a model object)
-        extra = [(f"without {names}", _load(args, source)[0], f"{args.disable},{names}") for names in args.variant]
+        extra = [(f"without {names}", _load(args, source)[0], f"{args.disable},{names}", "off")
+                 for names in args.variant]
+        if args.tune:   # measured here unless this device's decisions for the model are cached
+            extra.append(("tuned", _load(args, source)[0], args.disable, "on"))
         if cpu and not args.quiet:
             _say_estimate(bench, model, label, prompts, gen, args.warmup + trials, 2 + len(extra))
         result = bench.run(model, label, prompts, gen, trials=trials, warmup=args.warmup, disable=args.disable,
@@ -59,10 +62,11 @@ def cmd_bench(args):
         result["note"] = note
         results.append(result)
         reports.append(f"{label}:\n{_report_of(model)}")
+        reports += [f"{label} ({name}):\n{_report_of(copy)}" for name, copy, _, tune in extra if tune != "off"]
         del model, extra
         mx.clear_cache()
     doc = bench.document(results, prompts=prompts, gen=gen, trials=trials, warmup=args.warmup,
-                         disable=args.disable, variants=args.variant)
+                         disable=args.disable, variants=args.variant, tune=args.tune)
     notes = [f"Model note ({r['model']}): {r['note']}" for r in results if r["note"]]
     text = "\n\n".join([bench.to_markdown(doc), *notes, *reports])
     print(text)
@@ -72,6 +76,26 @@ def cmd_bench(args):
         args.markdown.write_text(f"# mlx-fastops bench\n\n{text}\n")
     if args.plot:
         bench.plot(doc, args.plot)
+    return 0
+
+
+def cmd_tune(args):
+    import json
+    import time
+
+    from . import Tuner, bench, patch, tune_cache
+
+    model, _, label, _ = _load(args)
+    tuner = Tuner("force", rows=args.rows, prefill=args.prefill, context=args.context, samples=args.samples)
+    t0 = time.perf_counter()
+    report = patch(model, disable=args.disable, tune=tuner)
+    wall = time.perf_counter() - t0
+    print(f"model: {label}\n{report}\n\nfirst tuning: {wall:.1f} s wall (patch included), "
+          f"{report.tuning.seconds:.1f} s measuring; decisions cached in {tune_cache.path()}")
+    if args.json:
+        doc = {"machine": bench.machine(), "model": label, "settings": {**tuner.shapes(), "samples": tuner.samples},
+               "wall_s": wall, "cache": str(tune_cache.path()), "patch": report.to_dict()}
+        args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 
@@ -273,6 +297,9 @@ def build_parser():
     b.add_argument("--variant", type=some_fusion_names, action="append", default=[], metavar="NAMES",
                    help="also time a copy patched with these fusions off (comma-separated; repeatable) "
                         "(default: none)")
+    b.add_argument("--tune", action="store_true",
+                   help="also time a copy patched with tune (each fusion timed against stock on this device, "
+                        "kept only where it wins; cached decisions where there are) (default: off)")
     b.add_argument("--json", type=output_file, help="write the results as JSON (default: not written)")
     b.add_argument("--markdown", type=output_file, help="write the table as a Markdown file (default: not written)")
     b.add_argument("--plot", type=output_file, help="write a bar chart of every row, PNG; needs matplotlib "
@@ -319,6 +346,24 @@ def build_parser():
     f.add_argument("--capture", type=output_file,
                    help="Metal GPU capture, FILE.gputrace; Metal only (default: none)")
     f.set_defaults(func=cmd_profile)
+
+    t = sub.add_parser("tune", help="time each fusion against stock on this device, print the decisions",
+                       description="Patches the model with every fusion on, times each fusion's op against the "
+                                   "stock ops it replaces on the model's shapes (interleaved, after warm-up), and "
+                                   "keeps a fusion only where it is faster beyond the spread (CUDA: fast_decode and "
+                                   "compile by whole decode steps). Always measures; the decisions replace this "
+                                   "device's cached ones, which patch() then uses.")
+    _model_args(t)
+    t.add_argument("--rows", type=list_at_least(1), default=[1, 4],
+                   help="decode batch sizes, comma-separated (default: 1,4)")
+    t.add_argument("--prefill", type=list_at_least(1), default=None,
+                   help="prefill chunk lengths, comma-separated (default: 512,2048 on a GPU, 512 without one)")
+    t.add_argument("--context", type=at_least(1), default=512,
+                   help="KV length of decode attention and of the prompt before timed decode steps (default: 512)")
+    t.add_argument("--samples", type=at_least(4), default=15,
+                   help="timed samples per side and shape (default: 15)")
+    t.add_argument("--json", type=output_file, help="write the decisions as JSON (default: not written)")
+    t.set_defaults(func=cmd_tune)
 
     s = sub.add_parser("serve", help="mlx-lm's server (mlx_lm.server) on the patched model", allow_abbrev=False,
                        description="mlx-lm's OpenAI-compatible server, mlx_lm.server, with the model patched "

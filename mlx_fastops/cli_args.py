@@ -91,6 +91,7 @@ def check(args):
         raise ValueError(f"--model takes one model here (bench takes several), got {len(specs)}: {args.model}")
     config.disabled(args.disable)   # MLX_FASTOPS_DISABLE, which patch() reads too
     config.backend_name()           # MLX_FASTOPS_BACKEND
+    config.tune_mode()              # MLX_FASTOPS_TUNE
     if args.command == "bench" and args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'mlx-fastops[plot]'")
     if args.command == "profile" and args.capture and (problem := profiler.capture_problem(args.capture)):

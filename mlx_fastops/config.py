@@ -4,6 +4,9 @@ MLX_FASTOPS_DISABLE   comma-separated fusion/kernel names to leave stock (see FU
 MLX_FASTOPS_BACKEND   auto (default) | reference | metal | cuda
 MLX_FASTOPS_RECIPES   directories (os.pathsep-separated) of more model-family recipes,
                       <family>.json each, besides the package's patches/ (see families.py)
+MLX_FASTOPS_TUNE      patch()'s default `tune`: auto (default) | on | off | force (see tuner.py)
+MLX_FASTOPS_TUNE_CACHE  the folder of the tuner's decisions (default: $XDG_CACHE_HOME/mlx_fastops,
+                      else ~/.cache/mlx_fastops; see tune_cache.py)
 """
 
 import os
@@ -33,6 +36,7 @@ FUSIONS = {
 }
 
 BACKENDS = ("auto", "reference", "metal", "cuda")
+TUNE_MODES = ("auto", "on", "off", "force")
 
 
 def parse_names(names, source):
@@ -71,3 +75,21 @@ def backend_name():
             raise ValueError(f"MLX_FASTOPS_BACKEND={name}, but MLX sees no {name} device here "
                              f"(mx.{name}.is_available() is False); use auto or reference")
     return name
+
+
+def tune_mode(tune=None):
+    """patch()'s `tune` as one of TUNE_MODES: None reads MLX_FASTOPS_TUNE (default auto); True is
+    on, False off. A tuner.Tuner passes through (its own mode). Raises ValueError / TypeError."""
+    if tune is None:
+        tune = os.environ.get("MLX_FASTOPS_TUNE", "auto").strip().lower() or "auto"
+        source = "MLX_FASTOPS_TUNE"
+    else:
+        source = "tune"
+    if isinstance(tune, bool):
+        return "on" if tune else "off"
+    if not isinstance(tune, str):
+        raise TypeError(f"{source} must be one of {TUNE_MODES}, True/False or a mlx_fastops.Tuner, "
+                        f"got {type(tune).__name__}")
+    if tune not in TUNE_MODES:
+        raise ValueError(f"{source}={tune!r}; expected one of {TUNE_MODES}")
+    return tune

@@ -19,7 +19,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import config, ops
+from . import config, ops, tuner
 from .families import RECIPES_ENV, recipes
 from .modules import FusedAttention, FusedMLP, head_class
 from .ops.weights import PackedLinear, RopeSpec, adapter_of, out_features
@@ -47,6 +47,7 @@ class PatchReport:
     family: str
     backend: str
     entries: list = field(default_factory=list)
+    tuning: object = None   # tuner.Tuning where patch() tuned (measured or cached), else None
 
     def add(self, where, fusion, status, backend="", reason=""):
         self.entries.append(Entry(where, fusion, status, backend, reason))
@@ -72,12 +73,15 @@ class PatchReport:
                  "| fusion | status | backend | count | note |", "|---|---|---|---|---|"]
         for fusion, status, backend, reason, n in self.summary():
             lines.append(f"| {fusion} | {status} | {backend or '-'} | {n} | {reason} |")
+        if self.tuning is not None:
+            lines += ["", self.tuning.table()]
         return "\n".join(lines)
 
     def to_dict(self):
         return {"family": self.family, "backend": self.backend,
                 "summary": [dict(zip(("fusion", "status", "backend", "reason", "count"), r))
-                            for r in self.summary()]}
+                            for r in self.summary()],
+                "tuning": self.tuning.to_dict() if self.tuning is not None else None}
 
 
 def text_model(model):
@@ -109,14 +113,18 @@ class Planner:
     """Sets one patch's fused modules up from their current children (PatchState.build calls it
     per block, then for the head); every change through the journal, every outcome in the report."""
 
-    def __init__(self, recipe, backend, disabled, report, journal):
+    def __init__(self, recipe, backend, disabled, report, journal, tuning):
         self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
         self.journal = journal
+        self.reasons = tuning.reasons() if tuning is not None else {}
+        prefill = tuning.decisions.get("prefill") if tuning is not None else None
+        self.prefill_above = prefill.above if prefill is not None and prefill.kept else None
 
     def off(self, fusion):
-        """Why `fusion` is not to be applied (switched off, or not in the family's recipe), or None."""
+        """Why `fusion` is not to be applied (switched off: by the user, or by the tuner, which
+        says why in `reasons`; or not in the family's recipe), or None."""
         if fusion in self.disabled:
-            return "disabled"
+            return self.reasons.get(fusion, "disabled")
         if fusion not in self.recipe["fusions"]:
             return f"not in the {self.recipe['family']} recipe"
         return None
@@ -134,6 +142,9 @@ class Planner:
         fn, used, reason = ops.select(op, self.backend, **info)
         if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill"):
             fn, note = ops.decode_rows_only(fn, op), "; ".join(n for n in (note, "prefill off: stock") if n)
+        elif op in ops.PREFILL_OPS and used != "reference" and self.prefill_above is not None:
+            fn = ops.decode_rows_only(fn, op, self.prefill_above)
+            note = "; ".join(n for n in (note, f"prefill tuned: stock up to {self.prefill_above} rows") if n)
         self.report.add(where, fusion, "fused", used, "; ".join(r for r in (note, reason) if r))
         return fn
 
@@ -275,8 +286,8 @@ class Planner:
 def _plan(state, journal):
     """PatchState's plan: every fused block of `state`, then the head, set up from the model's
     current modules. Returns (report, head, the fusions switched off)."""
-    report = PatchReport(state.recipe["family"], state.backend)
-    p = Planner(state.recipe, state.backend, state.disabled, report, journal)
+    report = PatchReport(state.recipe["family"], state.backend, tuning=state.tuning)
+    p = Planner(state.recipe, state.backend, state.disabled, report, journal, state.tuning)
     for i, block in enumerate(decoder_layers(state.text)):
         if state.owns(block):
             p.block(f"layers.{i}", block)
@@ -293,12 +304,15 @@ class _Head:
         return self.fn(x, self.w)
 
 
-def patch(model, disable=()):
+def patch(model, disable=(), tune=None):
     """Swap the model's modules for fused ones in place; returns a PatchReport.
 
     Patching an already patched model is a no-op that returns its report. `disable` takes
     fusion names (see mlx_fastops.config.FUSIONS; a list or a comma-separated string), added to
-    MLX_FASTOPS_DISABLE. If anything fails, the model is left exactly as it was.
+    MLX_FASTOPS_DISABLE. `tune` ("auto", "on", "off", "force", True/False or a Tuner; default
+    MLX_FASTOPS_TUNE, else "auto": see mlx_fastops.tuner) times each fusion against stock on this
+    device, or takes the cached decision, and leaves stock whatever does not win. If anything
+    fails, the model is left exactly as it was.
     """
     state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
     if state is not None:
@@ -306,17 +320,38 @@ def patch(model, disable=()):
     recipe = _family(model)
     disabled = config.disabled(disable)
     backend = config.backend_name()
+    how = tune if isinstance(tune, tuner.Tuner) else tuner.Tuner(config.tune_mode(tune))
+    tuning = None
+    if how.measures(backend):
+        try:
+            tuning = tuner.tune(text_model(model), recipe, backend, disabled, how,
+                                lambda off: _apply(model, recipe, backend, off), lambda: unpatch(model))
+        except BaseException as e:
+            if hasattr(e, "add_note"):
+                e.add_note("mlx_fastops.patch failed while tuning; the model is unpatched")
+            raise
+        disabled = disabled | tuning.off
+    return _apply(model, recipe, backend, disabled, tuning).report
+
+
+def _apply(model, recipe, backend, disabled, tuning=None):
+    """Patch `model` with the fusions in `disabled` off (tuning: the decisions that switched some
+    of them off, for the report); returns its PatchState. Atomic."""
     parked = model.__dict__.get(_PARKED)
     journal = Journal()
     try:
         journal.attr(model, _PARKED)
-        if parked is not None and (parked.backend, parked.disabled) == (backend, disabled) and parked.unchanged():
+        if (parked is not None and (parked.backend, parked.disabled) == (backend, disabled) and parked.unchanged()
+                and tuner.same_plan(parked.tuning, tuning)):
             # Re-patch after unpatch, the model untouched since: the same fused state again.
             parked.resume(journal)
+            journal.attr(parked, "tuning", tuning)
+            journal.attr(parked.report, "tuning", tuning)
             journal.attr(model, _STATE, parked)
-            return parked.report
+            return parked
         text = text_model(model)
         state = PatchState(model, text, recipe, backend, disabled, _plan)
+        state.tuning = tuning
         layers = decoder_layers(text)
         for i, block in enumerate(list(layers)):
             journal.set(layers, i, state.wrap(block))
@@ -329,7 +364,7 @@ def patch(model, disable=()):
         if hasattr(e, "add_note"):
             e.add_note("mlx_fastops.patch failed; the model is unchanged")
         raise
-    return state.report
+    return state
 
 
 def _warm_up(model, backend):

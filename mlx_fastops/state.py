@@ -96,6 +96,7 @@ class PatchState:
         self.backend, self.disabled, self.plan = backend, disabled, plan
         self.watch = Watch(self.refresh)
         self.report = None
+        self.tuning = None     # the tuner's decisions this patch was made with (tuner.Tuning), or None
         self.head = None       # (head object, its class before patch, its op), or None
         self.parked = None     # after remove(): the unpatched model's snapshot and the blocks' places
         self.decode = None     # what DecodePath.install returned, or None

@@ -5,6 +5,12 @@
 import os
 import shutil
 import sys
+import tempfile
+
+# Tests never tune by accident (on a GPU, patch()'s default would time every fusion first) and
+# never touch the user's cache: the tuner's tests ask for it explicitly, with their own folder.
+os.environ["MLX_FASTOPS_TUNE"] = "off"
+os.environ["MLX_FASTOPS_TUNE_CACHE"] = tempfile.mkdtemp(prefix="mlx_fastops_tune_")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from metal_fixtures import *  # noqa: E402,F401,F403

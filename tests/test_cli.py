@@ -143,6 +143,10 @@ BAD = [
     (["bench", "--model", "{tmp}/noweights"], "{tmp}/noweights has no model*.safetensors"),
     (["bench", "--model", "{tmp}/model", "--bits", "8"], "--bits: for synthetic models only"),
     (["bench", "--model", "{tmp}/model", "--group-size", "32"], "--group-size: for synthetic models only"),
+    (["tune", "--samples", "2"], "argument --samples: must be at least 4, got 2"),
+    (["tune", "--rows", "0"], "argument --rows: must be at least 1, got 0"),
+    (["tune", "--prefill", "512,x"], "argument --prefill: expected an integer, got 'x'"),
+    (["tune", "--json", "{tmp}/missing/t.json"], "argument --json: folder {tmp}/missing does not exist"),
     (["generate", "-m", "-1"], "argument --max-tokens/-m: must be at least 1, got -1"),
     (["generate", "--prompt", ""], "--prompt is empty"),
     (["verify", "-n", "0"], "argument -n/--num-tokens: must be at least 1, got 0"),
@@ -189,7 +193,8 @@ def test_bad_command_line(argv, message, no_model_work, capsys):
 
 
 @pytest.mark.parametrize("env,message", [({"MLX_FASTOPS_DISABLE": "qkvv"}, "MLX_FASTOPS_DISABLE: unknown fusion"),
-                                         ({"MLX_FASTOPS_BACKEND": "tpu"}, "MLX_FASTOPS_BACKEND='tpu'")])
+                                         ({"MLX_FASTOPS_BACKEND": "tpu"}, "MLX_FASTOPS_BACKEND='tpu'"),
+                                         ({"MLX_FASTOPS_TUNE": "sometimes"}, "MLX_FASTOPS_TUNE='sometimes'")])
 def test_bad_environment(env, message, no_model_work, monkeypatch, capsys):
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -21,7 +21,11 @@ class DecodePath:
         changes on unpatch, installed.restore() redoes them when the parked fused modules are
         swapped back in.
     `disabled` is the set of fusion names switched off for this patch (config.FUSIONS).
+    parts: the fusions the path fuses, each of which switched off refuses every block (the tuner
+    keeps them on wherever it keeps fast_decode).
     """
+
+    parts = ()
 
     def block(self, fused_block, disabled):
         raise NotImplementedError

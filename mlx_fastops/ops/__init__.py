@@ -72,14 +72,17 @@ DECODE_ROWS = 8   # activation rows (B * L) of the GPU backends' decode kernels
 PREFILL_OPS = ("qkv_proj", "gate_up_silu", "linear")
 
 
-def decode_rows_only(fn, op):
-    """`fn` (a GPU backend's op in PREFILL_OPS) for calls of up to DECODE_ROWS rows; larger calls
-    (prefill) run the reference op: what the `prefill` switch leaves when it is off."""
+def decode_rows_only(fn, op, above=None):
+    """`fn` (a GPU backend's op in PREFILL_OPS) for calls of up to DECODE_ROWS rows, and of more
+    than `above` rows where given; the other calls (prefill) run the reference op: what the
+    `prefill` switch leaves when it is off (above=None), or where the tuner found the backend's
+    prefill path no faster (above: the largest prefill size it did not win at)."""
     ref = getattr(backend_module("reference"), op)
+    above = float("inf") if above is None else above
 
     def call(x, w):
         rows = x.size // x.shape[-1]
-        return fn(x, w) if rows <= DECODE_ROWS else ref(x, w)
+        return fn(x, w) if rows <= DECODE_ROWS or rows > above else ref(x, w)
     return call
 
 

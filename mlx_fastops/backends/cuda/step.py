@@ -159,6 +159,8 @@ class Installed:
 class CudaDecodePath(DecodePath):
     """mlx_fastops.backends.DecodePath for MLX's CUDA backend."""
 
+    parts = FAST_PATH_PARTS
+
     def block(self, fused_block, disabled):
         off = [n for n in FAST_PATH_PARTS if n in disabled]
         if off:
