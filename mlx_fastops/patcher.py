@@ -38,7 +38,7 @@ def shard_note(w, reduced_by):
     """The report's note on stacked column shards (a tensor-parallel model), or ''."""
     if w.group is None:
         return ""
-    return f"column shards of {w.group.size()} ranks; {reduced_by} row-sharded, then mlx-lm's all_sum"
+    return f"column shards of a {w.group.size()}-rank group; {reduced_by} row-sharded, then mlx-lm's all_sum"
 
 
 @dataclass

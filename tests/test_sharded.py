@@ -22,16 +22,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from decoding import greedy, prompt_of
 from sharded_worker import CASES, GROUP_SIZE
 
 import mlx_fastops
+from mlx_fastops.ops.weights import PackedLinear
 
 RANKS = 2
 LAYERS = 2   # the tiny models' decoder layers
 LAUNCH_TIMEOUT_S = 240
-SHARD_NOTES = {"qkv": "column shards of 2 ranks; o_proj row-sharded, then mlx-lm's all_sum",
-               "gate_up": "column shards of 2 ranks; down_proj row-sharded, then mlx-lm's all_sum"}
+SHARD_NOTES = {"qkv": "column shards of a 2-rank group; o_proj row-sharded, then mlx-lm's all_sum",
+               "gate_up": "column shards of a 2-rank group; down_proj row-sharded, then mlx-lm's all_sum"}
 
 
 def _free_ports(n):
@@ -121,3 +125,64 @@ def test_ranks_agree(ranks):
         for key, case in first["cases"].items():
             assert other["cases"][key]["patched"] == case["patched"], key
         assert other["generate"]["patched"] == first["generate"]["patched"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["cuda"], indirect=True)
+def test_cuda_decode_path_refuses_sharded_blocks(backend, monkeypatch):
+    """On the CUDA backend (the GPU, or tests/cuda_emu), in this one process (a group of 1 rank:
+    each shard is its whole layer): the fused ops run on the shards, composed between mlx-lm's
+    all_sums, and the one-launch layer refuses every sharded block, named in the report (so no
+    compiled step either). The decode equals the unsharded model's through the same composed ops,
+    bit for bit."""
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    group = mx.distributed.init()
+    sharded = mlx_fastops.synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16)
+    sharded.shard(group)
+    report = mlx_fastops.patch(sharded)
+    unsharded = mlx_fastops.synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16)
+    mlx_fastops.patch(unsharded, disable=["fast_decode"])
+    try:
+        refused = f"tensor-parallel shards of a {group.size()}-rank group (the one-launch layer has no all-reduce)"
+        assert [(e.status, e.reason) for e in report.entries if e.fusion in ("fast_decode", "compile")] \
+            == [("skipped", refused)] * LAYERS, str(report)
+        assert {e.backend for e in report.entries if e.fusion in ("qkv", "gate_up")} == {"cuda"}
+        prompt = prompt_of(sharded, 1, 8)
+        (tokens, logits), (want_tokens, want_logits) = greedy(sharded, prompt, 3), greedy(unsharded, prompt, 3)
+        assert tokens == want_tokens and mx.array_equal(logits, want_logits)
+        assert backend.launches > 0
+    finally:
+        mlx_fastops.unpatch(sharded)
+        mlx_fastops.unpatch(unsharded)
+
+
+def _column_shard(group, bits=None):
+    """A layer as mlx-lm's shard() makes it (shard_linear, "all-to-sharded")."""
+    layer = nn.Linear(64, 32, bias=False)
+    if bits:
+        layer = nn.QuantizedLinear.from_linear(layer, group_size=32, bits=bits)
+    return nn.layers.distributed.shard_linear(layer, "all-to-sharded", group=group)
+
+
+STACKS = [
+    # (layers to stack, given the group; why they cannot be, or None)
+    (lambda g: [_column_shard(g), _column_shard(g)], None),
+    (lambda g: [_column_shard(g, 4), _column_shard(g, 4)], None),
+    (lambda g: [_column_shard(g, 3), _column_shard(g, 3)], "bits=3, group_size=32"),
+    (lambda g: [_column_shard(g), nn.Linear(64, 32, bias=False)], "mixed layer types"),
+    (lambda g: [_column_shard(g), _column_shard(mx.distributed.init())],
+     "column shards of different mx.distributed group objects"),
+    (lambda g: [nn.layers.distributed.shard_linear(nn.Linear(64, 32), "sharded-to-all", group=g)] * 2,
+     "layer type ShardedToAllLinear"),
+]
+
+
+@pytest.mark.parametrize("layers,reason", STACKS)
+def test_which_shards_stack(layers, reason):
+    group = mx.distributed.init()
+    modules = layers(group)
+    got = PackedLinear.unsupported(modules)
+    assert (got is None) if reason is None else (got or "").startswith(reason), got
+    if reason is None:
+        assert PackedLinear.concat(modules)[0].group is group

@@ -79,7 +79,7 @@ class PackedLinear:
             return f"mixed layer types {sorted(k.__name__ for k in kinds)}"
         m0 = modules[0]
         if isinstance(m0, SHARDED_LINEAR) and len({id(m.group) for m in modules}) != 1:
-            return "column shards over different distributed groups"
+            return "column shards of different mx.distributed group objects"
         if isinstance(m0, (*QUANTIZED_LINEAR, nn.QuantizedEmbedding)):
             modes = {getattr(m, "mode", "affine") for m in modules}
             if modes != {"affine"}:
