@@ -109,6 +109,8 @@ def run_generate(path, group):
 
 
 def main(out_dir, model_dir=None):
+    # The CPU's loopback test on any machine (a GPU's tensor parallelism: benchmarks/sharded_bench.py).
+    mx.set_default_device(mx.cpu)
     group = mx.distributed.init()
     result = {"rank": group.rank(), "size": group.size(),
               "cases": {f"{name}-b{bits}": run_case(name, bits, group) for name, bits in CASES}}

@@ -12,7 +12,8 @@ CPU (`mlx.launch --backend ring`), one launch for every case (tests/sharded_work
 - patched first and sharded after: the patch follows, then unpatches to a working stock model;
 - mlx-lm's `sharded_load` + `stream_generate`, patched: the unsharded model's tokens;
 - the patch report names the sharded fusions on every layer, and nothing is skipped.
-The CUDA decode path's refusal of sharded blocks: tests/test_cuda_kernels.py."""
+In this process: which layers stack into one projection, and the CUDA backend's refusal of sharded
+blocks on its one-launch decode layer (through tests/cuda_emu without a GPU)."""
 
 import json
 import os
