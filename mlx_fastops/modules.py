@@ -18,6 +18,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention as stock_sdpa
 from mlx_lm.models.cache import KVCache
@@ -153,6 +154,16 @@ def _delta(lora, x):
     return (lora.scale * z).astype(x.dtype)
 
 
+def _on_shards(op, w):
+    """`op` over column shards (`w.group` set: a tensor-parallel model's q/k/v or gate/up) as
+    mlx's AllToShardedLinear runs its matmul: on the input passed through sum_gradients (identity
+    forward; its gradient all-summed over the group). Without a group, `op` itself."""
+    if w.group is None:
+        return op
+    grad_sum = sum_gradients(w.group)
+    return lambda x, w: op(grad_sum(x), w)
+
+
 def _qkv_lora(x, op, w, adapters):
     return tuple(y if a is None else y + _delta(a, x) for y, a in zip(op(x, w), adapters))
 
@@ -180,8 +191,9 @@ class FusedAttention(_Fused):
                  quantized_fn=ops.get("quantized"), out_fn=ops.get("out") or s["_o"], qkv_fn=None,
                  norm_rope_fn=None)
         if "qkv" in ops:
-            s["qkv_fn"] = (partial(_qkv_lora, op=ops["qkv"], w=qkv_weights, adapters=tuple(adapters))
-                           if any(a is not None for a in adapters) else partial(ops["qkv"], w=qkv_weights))
+            op = _on_shards(ops["qkv"], qkv_weights)
+            s["qkv_fn"] = (partial(_qkv_lora, op=op, w=qkv_weights, adapters=tuple(adapters))
+                           if any(a is not None for a in adapters) else partial(op, w=qkv_weights))
         if "norm_rope" in ops:
             qn, kn = (s["_q_norm"].weight, s["_k_norm"].weight) if norm else (None, None)
             s["norm_rope_fn"] = partial(ops["norm_rope"], q_norm=qn, k_norm=kn,
@@ -235,8 +247,9 @@ class FusedMLP(_Fused):
         s = self.aliases()
         s.update(gate_up_weights=weights, adapters=tuple(adapters), gate_up_fn=None, down_fn=down_fn or s["_down"])
         if gate_up_fn is not None:
-            s["gate_up_fn"] = (partial(_gate_up_lora, proj=gate_up_fn, w=weights, adapters=tuple(adapters))
-                               if any(a is not None for a in adapters) else partial(gate_up_fn, w=weights))
+            op = _on_shards(gate_up_fn, weights)
+            s["gate_up_fn"] = (partial(_gate_up_lora, proj=op, w=weights, adapters=tuple(adapters))
+                               if any(a is not None for a in adapters) else partial(op, w=weights))
         return s
 
     def __call__(self, x):

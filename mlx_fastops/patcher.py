@@ -31,6 +31,17 @@ _PARKED = "_mlx_fastops_parked"
 LORA_NOTE = "LoRA adapters: low-rank deltas added to the fused projection"
 
 
+def _notes(*notes):
+    return "; ".join(n for n in notes if n)
+
+
+def shard_note(w, reduced_by):
+    """The report's note on stacked column shards (a tensor-parallel model), or ''."""
+    if w.group is None:
+        return ""
+    return f"column shards of a {w.group.size()}-rank group; {reduced_by} row-sharded, then mlx-lm's all_sum"
+
+
 @dataclass
 class Entry:
     where: str  # e.g. "layers.3.self_attn" or "lm_head"
@@ -141,11 +152,11 @@ class Planner:
             return None
         fn, used, reason = ops.select(op, self.backend, **info)
         if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill"):
-            fn, note = ops.decode_rows_only(fn, op), "; ".join(n for n in (note, "prefill off: stock") if n)
+            fn, note = ops.decode_rows_only(fn, op), _notes(note, "prefill off: stock")
         elif op in ops.PREFILL_OPS and used != "reference" and self.prefill_above is not None:
             fn = ops.decode_rows_only(fn, op, self.prefill_above)
-            note = "; ".join(n for n in (note, f"prefill tuned: stock up to {self.prefill_above} rows") if n)
-        self.report.add(where, fusion, "fused", used, "; ".join(r for r in (note, reason) if r))
+            note = _notes(note, f"prefill tuned: stock up to {self.prefill_above} rows")
+        self.report.add(where, fusion, "fused", used, _notes(note, reason))
         return fn
 
     def skip(self, where, fusion, reason):
@@ -171,16 +182,11 @@ class Planner:
             return None
         reason = self.off("out_proj") or ("LoRA adapter: stock" if adapter_of(module)[1] is not None
                                           else PackedLinear.unsupported([module]))
-        w = None if reason else PackedLinear.stack([module])
-        fn, used, why = (None, None, reason) if reason else ops.select("linear", self.backend, **w.info())
-        if used != self.backend:
-            self.skip(where, "out_proj", why)
+        if reason:
+            self.skip(where, "out_proj", reason)
             return None
-        note = ""
-        if self.off("prefill"):
-            fn, note = ops.decode_rows_only(fn, "linear"), "prefill off: stock"
-        self.report.add(where, "out_proj", "fused", used, note)
-        return partial(fn, w=w)
+        w = PackedLinear.stack([module])
+        return partial(self.select(where, "out_proj", "linear", **w.info()), w=w)
 
     def configure(self, module, settings):
         for name, value in settings.items():
@@ -193,7 +199,8 @@ class Planner:
         ops_ = {}
         w = self.stack(where, "qkv", list(bases))
         if w is not None:
-            ops_["qkv"] = self.select(where, "qkv", "qkv_proj", lora, **w.info())
+            ops_["qkv"] = self.select(where, "qkv", "qkv_proj", _notes(lora, shard_note(w, "o_proj")),
+                                      **w.info())
         rope = RopeSpec.from_module(attn[names["rope"]])
         # From the weights, never hidden_size / n_heads (Qwen3-0.6B: 128, not 1024 / 16).
         head_dim = out_features(attn[names["q"]]) // attn.n_heads
@@ -229,9 +236,10 @@ class Planner:
             adapters = (None, None)
         elif any(a is not None for a in adapters):
             # SiLU must follow the deltas: the stacked projection as a plain linear op.
-            fn = self.select(where, "gate_up", "lm_head", LORA_NOTE + ", then SiLU", **w.info())
+            fn = self.select(where, "gate_up", "lm_head", _notes(LORA_NOTE + ", then SiLU",
+                                                                 shard_note(w, "down_proj")), **w.info())
         else:
-            fn = self.select(where, "gate_up", "gate_up_silu", **w.info())
+            fn = self.select(where, "gate_up", "gate_up_silu", shard_note(w, "down_proj"), **w.info())
         down = self.projection(f"{where}.{names['down']}", mlp[names["down"]])
         self.configure(mlp, mlp.settings(fn, w, adapters, down))
 

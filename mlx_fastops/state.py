@@ -73,8 +73,11 @@ def _same(a, b):
 
 def _write_back(fused):
     """The stock module of a fused one, given the fused module's current children (what was
-    replaced while patched stays replaced) and training mode."""
+    replaced while patched stays replaced), plain attributes (mlx-lm's `model.shard` divides
+    `n_heads`) and training mode."""
     stock = fused._stock
+    for key in [k for k in vars(stock) if not k.startswith("_") and k in vars(fused)]:
+        object.__setattr__(stock, key, vars(fused)[key])
     for key in [k for k in stock if k not in fused]:
         dict.__delitem__(stock, key)
     for key, value in fused.items():

@@ -47,12 +47,13 @@ CONFIGS = {
     "qwen3-cpu": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
                   "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32768,
                   "tie_word_embeddings": True},
-    # Test configs: every family, shapes that are not tile multiples, GQA 2 and 4.
+    # Test configs: every family, shapes that are not tile multiples, GQA 2 and 4, head counts
+    # that split over 2 tensor-parallel ranks.
     "qwen3-tiny": {**_QWEN3, "hidden_size": 192, "intermediate_size": 320, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                    "vocab_size": 4096, "tie_word_embeddings": True},
     "llama-tiny": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 448,
-                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+                   "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
                    "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 4096,
                    "max_position_embeddings": 131072, "rope_theta": 500000.0,
                    "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False},

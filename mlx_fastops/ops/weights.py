@@ -9,6 +9,13 @@ import mlx.nn as nn
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
 
+# Linear layers whose rows can be stacked: mlx's own, and the column shards mlx-lm's
+# `model.shard(group)` puts in for q/k/v and gate/up (mlx.nn.layers.distributed.shard_linear:
+# each rank holds a slice of the rows and computes its slice of the output, x @ W_shard^T).
+FLOAT_LINEAR = (nn.Linear, nn.AllToShardedLinear)
+QUANTIZED_LINEAR = (nn.QuantizedLinear, nn.QuantizedAllToShardedLinear)
+SHARDED_LINEAR = (nn.AllToShardedLinear, nn.QuantizedAllToShardedLinear)
+
 
 def adapter_of(module):
     """(base layer, adapter): mlx-lm's LoRALinear (mlx_lm.tuner.lora, what `linear_to_lora_layers`
@@ -36,6 +43,8 @@ class PackedLinear:
     weight  [N, K] float, or [N, K*bits/32] uint32 (MLX affine packing) when `bits` is set
     scales, biases  [N, K/group_size] (quantised only); bias [N] or None
     splits  output sizes of the stacked layers (sum == N)
+    group   the mx.distributed group whose ranks each hold such a slice of the rows (column
+            shards of a tensor-parallel model), or None
     """
 
     weight: mx.array
@@ -46,6 +55,7 @@ class PackedLinear:
     in_features: int
     bits: int | None = None
     group_size: int | None = None
+    group: object = None
 
     @property
     def quantized(self):
@@ -68,7 +78,9 @@ class PackedLinear:
         if len(kinds) != 1:
             return f"mixed layer types {sorted(k.__name__ for k in kinds)}"
         m0 = modules[0]
-        if isinstance(m0, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m0, SHARDED_LINEAR) and len({id(m.group) for m in modules}) != 1:
+            return "column shards of different mx.distributed group objects"
+        if isinstance(m0, (*QUANTIZED_LINEAR, nn.QuantizedEmbedding)):
             modes = {getattr(m, "mode", "affine") for m in modules}
             if modes != {"affine"}:
                 return f"quantisation mode {sorted(modes)} (only affine is fused)"
@@ -78,7 +90,7 @@ class PackedLinear:
             bits, group = q.pop()
             if bits not in SUPPORTED_BITS or group not in SUPPORTED_GROUPS:
                 return f"bits={bits}, group_size={group} (fused: bits {SUPPORTED_BITS}, groups {SUPPORTED_GROUPS})"
-        elif type(m0) not in (nn.Linear, nn.Embedding):
+        elif type(m0) not in (*FLOAT_LINEAR, nn.Embedding):
             return f"layer type {type(m0).__name__}"
         if len({"bias" in m for m in modules}) != 1:
             return "some layers have a bias and some do not"
@@ -103,7 +115,7 @@ class PackedLinear:
         """stack() without touching the modules: (PackedLinear, [(module, name, view)]), the views
         to bind (the patcher binds them through its journal). One layer is its own PackedLinear."""
         m0 = modules[0]
-        quantized = isinstance(m0, nn.QuantizedLinear)
+        quantized = isinstance(m0, QUANTIZED_LINEAR)
         names = ["weight"] + (["scales", "biases"] if quantized else []) + (["bias"] if "bias" in m0 else [])
         splits = tuple(m.weight.shape[0] for m in modules)
         views = []
@@ -116,12 +128,14 @@ class PackedLinear:
             for m, size in zip(modules, splits):
                 views += [(m, n, cat[n][start : start + size]) for n in names]
                 start += size
+        group = m0.group if isinstance(m0, SHARDED_LINEAR) else None
         if quantized:
             in_features = m0.weight.shape[1] * 32 // m0.bits
             packed = cls(cat["weight"], cat["scales"], cat["biases"], cat.get("bias"), splits,
-                         in_features, m0.bits, m0.group_size)
+                         in_features, m0.bits, m0.group_size, group)
         else:
-            packed = cls(cat["weight"], None, None, cat.get("bias"), splits, m0.weight.shape[1])
+            packed = cls(cat["weight"], None, None, cat.get("bias"), splits, m0.weight.shape[1],
+                         group=group)
         return packed, views
 
     @classmethod

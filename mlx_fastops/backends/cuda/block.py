@@ -84,6 +84,11 @@ class FastBlock:
             return "QKV not fused / not quantised"
         if gu is None or not gu.quantized:
             return "gate/up not fused / not quantised"
+        if qkv.group is not None or gu.group is not None:
+            # o_proj / down_proj end in an all-reduce across ranks, which the one-launch layer
+            # (phases 3 and 5) has no place for: the block runs the fused ops between mlx-lm's all_sums.
+            ranks = (qkv.group or gu.group).size()
+            return f"tensor-parallel shards of a {ranks}-rank group (the one-launch layer has no all-reduce)"
         lora = [n for n, m in zip(("q", "k", "v", "gate", "up"), attn.adapters + mlp.adapters) if m is not None]
         lora += [n for n, m in (("o", attn._o), ("down", mlp._down)) if adapter_of(m)[1] is not None]
         if lora:
