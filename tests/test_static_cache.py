@@ -118,9 +118,13 @@ def test_batch_cache_fast_path_bookkeeping():
     assert c.keys.shape == ref.keys.shape and mx.array_equal(c.keys[:, :, :255], ref.keys[:, :, :255])
     reader = mx.ones((3,))
     c.advance(2, reader)
-    assert c.position() == 257 and c.fast_inputs()[2] is reader and c.fast_inputs()[3] is c.left_padding
+    lp = c.fast_inputs()[3]
+    assert c.position() == 257 and c.fast_inputs()[2] is reader and c.fast_inputs()[3] is lp   # made once
+    assert lp.dtype == mx.int32 and lp.tolist() == [2, 0, 0, 0]   # 16 bytes: out of MLX's small pool
     assert c.offset.tolist() == [255, 257]
     c.filter([0])
     assert c.last_reader is None and c._idx == 255 and c.offset.tolist() == [255]
+    c.left_padding += 3   # in place, as mlx-lm changes it: the kernels' copy follows
+    assert c.fast_inputs()[3].tolist() == [3, 0, 0, 0]
     c.prepare(right_padding=[1])
     assert not c.takes(1, 3, 8, mx.float32)   # a prompt chunk before finalize: stock's path

@@ -6,6 +6,8 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .source import PAD_WORDS
+
 
 class _WrittenInPlace:
     """The ordering discipline of a cache whose buffers the fast decode kernels write in place.
@@ -99,6 +101,7 @@ class StaticBatchKVCache(_WrittenInPlace, BatchKVCache):
     """
 
     _pending = 0   # tokens the fast path added to every row's offset since `offset` was last read
+    _lp_words = None
 
     @property
     def offset(self):
@@ -109,6 +112,16 @@ class StaticBatchKVCache(_WrittenInPlace, BatchKVCache):
     @offset.setter
     def offset(self, value):
         self._offset, self._pending = value, 0
+
+    @property
+    def left_padding(self):
+        return self._left_padding
+
+    @left_padding.setter
+    def left_padding(self, value):
+        # every change (mlx-lm's `+=` changes the array in place, then assigns it) drops the
+        # kernels' copy
+        self._left_padding, self._lp_words = value, None
 
     def position(self):
         return self._idx
@@ -136,8 +149,13 @@ class StaticBatchKVCache(_WrittenInPlace, BatchKVCache):
         self.values = mx.concatenate([self.values, nv], axis=2)
 
     def fast_inputs(self):
-        """(keys, values, after, left padding): see _WrittenInPlace.fast_inputs."""
-        return (*super().fast_inputs(), self.left_padding)
+        """(keys, values, after, left padding as the kernels take it: int32[max(B, PAD_WORDS)], made
+        on the GPU once per change: a host-made or 8-byte array would fault, see source.OFF_WORDS);
+        see _WrittenInPlace.fast_inputs."""
+        if self._lp_words is None:
+            lp = self._left_padding.astype(mx.int32)
+            self._lp_words = mx.pad(lp, (0, PAD_WORDS - lp.shape[0])) if lp.shape[0] < PAD_WORDS else lp + 0
+        return (*super().fast_inputs(), self._lp_words)
 
     def advance(self, L, reader):
         self._idx += L

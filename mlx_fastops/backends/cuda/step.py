@@ -26,7 +26,7 @@ from .. import DecodePath
 from .block import FastBlock
 from .cache import StaticBatchKVCache, StaticKVCache
 from .layer import layers_launch
-from .source import MAX_ROWS, PAD_WORDS, offset_array
+from .source import MAX_ROWS, offset_array
 
 # The fast path fuses all of these; switching any of them off switches it off (qkv / gate_up off
 # leave no stacked weights, which FastBlock.unsupported would also refuse: named, the report says why).
@@ -130,8 +130,6 @@ def _compile_step(model, fasts):
         # bufs: (keys, values, after) per layer, or over batch caches also their left padding
         per = len(bufs) // len(fasts)
         layer_bufs = [bufs[per * k:per * k + per] for k in range(len(fasts))]
-        if per == 4:
-            layer_bufs = [(kc, vc, after, _pad_words(lp)) for kc, vc, after, lp in layer_bufs]
         h = embed(tokens)
         if h.dtype != dtype:
             h = h.astype(dtype)
@@ -149,11 +147,6 @@ def _compile_step(model, fasts):
     launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
     return (inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch)), f"{len(fasts)} layers in {launches}"
 
-
-def _pad_words(lp):
-    """A batch cache's left padding as the kernels take it: int32[max(B, PAD_WORDS)]."""
-    lp = lp.astype(mx.int32)
-    return mx.pad(lp, (0, PAD_WORDS - lp.shape[0])) if lp.shape[0] < PAD_WORDS else lp
 
 
 class Installed:
