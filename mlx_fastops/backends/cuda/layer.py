@@ -30,8 +30,8 @@ from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 
-_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*", "ctr": "const int32_t*",
-           "rf": "const float*", "wait_g": "int", "wait_n": "int",
+_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
+           "ctr": "const int32_t*", "rf": "const float*", "wait_g": "int", "wait_n": "int",
            "ys": "float*", "pm": "float*", "po": "float*"}
 _WAITS = ["ctr", "wait_g", "wait_n"]   # WAIT_INPUTS' parameters: the counter, the group, its blocks
 

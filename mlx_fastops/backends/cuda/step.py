@@ -148,7 +148,6 @@ def _compile_step(model, fasts):
     return (inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch)), f"{len(fasts)} layers in {launches}"
 
 
-
 class Installed:
     """What CudaDecodePath.install changed on a model: remove() undoes it, restore() redoes it."""
 
