@@ -22,26 +22,26 @@ from mlx_fastops.backends.cuda.source import MAX_ROWS
 ON_GPU = mx.cuda.is_available()
 CLEAR = 0.5   # the float32 oracle's top-1/top-2 margin (logits) that counts as a clear decision
 
-# (rows, prompt lengths, tokens each row generates, the step before which each row joins)
+# (model, rows, prompt lengths, tokens each row generates, the step before which each row joins)
 CASES = [
-    (2, (7, 12), (5, 3), (0, 1)),                        # a longer row joins a running one
-    (3, (253, 4, 9), (5, 2, 3), (0, 0, 0)),              # the cache grows past 256 while batched
-    (5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1)),   # the longest leaves first: shift
-    (9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9),
-    (17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,)),
+    ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1)),                     # a longer row joins a running one
+    ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0)),           # the cache grows past 256 while batched
+    ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1)),   # the longest leaves first: shift
+    ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9),
+    ("qwen3-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,)),
 ]
-IDS = [f"B{c[0]}" for c in CASES]
+IDS = [f"{c[0]}-B{c[1]}" for c in CASES]
 
 
 def _prompts(lengths, vocab):
     return [mx.random.randint(0, vocab, (n,), key=mx.random.key(n)).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("B,lengths,max_tokens,join_at", CASES, ids=IDS)
-def test_reference_path_bit_exact(B, lengths, max_tokens, join_at, monkeypatch):
+@pytest.mark.parametrize("name,B,lengths,max_tokens,join_at", CASES, ids=IDS)
+def test_reference_path_bit_exact(name, B, lengths, max_tokens, join_at, monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "reference")
     monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
-    model = synthetic_model("qwen3-tiny", bits=4)   # float32
+    model = synthetic_model(name, bits=4)   # float32
     prompts = _prompts(lengths, model.args.vocab_size)
     stock, stock_logits = batch_generator_run(model, prompts, max_tokens, join_at)
     mlx_fastops.patch(model)
@@ -70,8 +70,8 @@ def cuda_or_emulator():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("B,lengths,max_tokens,join_at", CASES, ids=IDS)
-def test_fused_decode_step_batched(B, lengths, max_tokens, join_at, cuda_or_emulator, monkeypatch):
+@pytest.mark.parametrize("name,B,lengths,max_tokens,join_at", CASES, ids=IDS)
+def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, cuda_or_emulator, monkeypatch):
     from mlx_lm.generate import GenerationBatch
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
@@ -90,7 +90,7 @@ def test_fused_decode_step_batched(B, lengths, max_tokens, join_at, cuda_or_emul
 
     monkeypatch.setattr(GenerationBatch, "_step", decode_step)
     monkeypatch.setattr(cuda_step, "layers_launch", launch)
-    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=B)
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B)
     prompts = _prompts(lengths, model.args.vocab_size)
     ref, stock = batch_generator_run(model, prompts, max_tokens, join_at)
     del sizes[:]
@@ -102,14 +102,14 @@ def test_fused_decode_step_batched(B, lengths, max_tokens, join_at, cuda_or_emul
     finally:
         mlx_fastops.unpatch(model)
     decoded = [(n, 1) for n in sizes if n <= MAX_ROWS]
-    oracle_model = fidelity.fp32_oracle(synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=B))
+    oracle_model = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B))
     _, oracle = batch_generator_run(oracle_model, prompts, max_tokens, join_at, forced=ref)
     steps = [s for s in fast if s[1] == 1]
     # every decode step of at most MAX_ROWS rows took the fused step (traced once per shape on a GPU)
     assert (set(steps) == set(decoded)) if ON_GPU else (steps == decoded), (steps, sizes)
     assert all(n * L <= MAX_ROWS for n, L in fast)
     verdict = fidelity.judge(*(mx.array(np.concatenate(a)) for a in (stock, patched, oracle)))
-    print(f"B={B}: decode rows per step {sizes}; stock {verdict['stock']}, patched {verdict['patched']}")
+    print(f"{name} B={B}: decode rows per step {sizes}; stock {verdict['stock']}, patched {verdict['patched']}")
     assert not verdict["problems"], verdict["problems"]
     # and the float32 model's token wherever its own top-1/top-2 margin is clear
     o, p = np.concatenate(oracle), np.concatenate(patched)
