@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mlx_fastops
+from conftest import _cuda_factory as cuda_factory
 from decoding import batch_generator_run
 from mlx_fastops import fidelity, kernels, synthetic_model
 from mlx_fastops.backends.cuda import step as cuda_step
@@ -56,14 +57,13 @@ def test_reference_path_bit_exact(name, B, lengths, max_tokens, join_at, monkeyp
 
 @pytest.fixture
 def cuda_or_emulator():
-    if ON_GPU:
+    factory, on_gpu = cuda_factory()
+    if on_gpu:
         yield
         return
-    import cuda_emu
-
     mx.disable_compile()   # the emulator runs outside MLX's graph: the decode step runs eagerly
     try:
-        with kernels.use_cuda_factory(cuda_emu.cuda_kernel):
+        with kernels.use_cuda_factory(factory):
             yield
     finally:
         mx.enable_compile()
