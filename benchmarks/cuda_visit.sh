@@ -2,7 +2,7 @@
 # One device visit on the H200 (after `source .device-wheels/b/install.sh`, ../shared/cuda-host/README.md);
 # logs go to $OUT. Usage: bash benchmarks/cuda_visit.sh MODE [ARGS]
 #   tests        pytest -m cuda tests/test_cuda_kernels.py tests/test_ops.py tests/test_cuda_prefill.py
-#   models       pytest -m cuda tests/test_cuda_models.py
+#   models       pytest -m cuda tests/test_cuda_models.py tests/test_cuda_batch.py
 #   correctness  both suites side by side (each over 4 pytest-xdist workers where xdist is installed)
 #   bench        the README's table: mlx-fastops bench, 4 models, -p 512,2048,8192 -g 128 -n 3 -> results/cuda_bench.*
 #   ab NAMES...  the bench and the phase tables, each beside a copy patched without each NAMES
@@ -11,6 +11,7 @@
 #   tune_bench   bench --tune on both, -p 512,2048 -g 128 -n 3 (stock, all fusions, tuned; the decisions
 #                cached by `tune` in this visit, else measured again) -> results/cuda_tune.*
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
+#   batch        batched decoding through mlx-lm's BatchGenerator, B = 1, 4, 8 -> results/cuda_batch.*
 #   prefill      prefill GEMMs: stock quantized_matmul, ours, dense matmul, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
@@ -52,7 +53,7 @@ case "$mode" in
       > "$OUT/test_kernels.log" 2>&1
     tail -n 8 "$OUT/test_kernels.log" ;;
   models)
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py -p no:cacheprovider \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -q -rfP $XDIST tests/test_cuda_models.py tests/test_cuda_batch.py -p no:cacheprovider \
       > "$OUT/test_models.log" 2>&1
     grep -E "row|passed|failed|FAILED" "$OUT/test_models.log" | tail -n 60 ;;
   correctness)
@@ -74,6 +75,10 @@ case "$mode" in
       --json "$R/cuda_tune.json" --markdown "$R/cuda_tune.md" > "$LOGS/bench_tune.log" 2>&1
     grep -E "^\| (qwen|llama)" "$R/cuda_tune.md" | cut -c1-200
     cp "$R"/cuda_tune.* "$OUT/" ;;
+  batch)
+    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-0.6b,qwen3-4b --batches 1,4,8 -p 512 -g 128 -n 3 \
+      --out "$R/cuda_batch" > "$OUT/batch.log" 2>&1
+    grep -E "^\| (qwen|llama)" "$R/cuda_batch.md" | cut -c1-170; cp "$R"/cuda_batch.* "$OUT/" ;;
   ab)
     : "${2:?usage: cuda_visit.sh ab NAMES [NAMES...]}"
     A="$OUT/ab"; mkdir -p "$A"; LOGS=$A; n=$(($# - 1)); bvar=(); pdis=()

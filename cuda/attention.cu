@@ -21,10 +21,14 @@
 // subgroup], an input written through a const_cast that the last block resets to 0) merges them:
 // one launch.
 //
+// LEFT_PAD (a batch cache, mlx-lm's BatchKVCache: rows left-padded, one write index off[0]): row b
+// attends over positions [lp[b], off[0] + l + 1), the mask mlx-lm's BatchKVCache makes.
+//
 // Defines: T, L, H, HKV, D, G, GB, NW, MINCH, SCALE_LOG2; BLOCK_X/Y/Z, GRID_X: the block's
 // coordinates (blockIdx/gridDim in a launch of its own; set by the caller when it is one phase of
-// a launch); [WAIT_INPUTS] (a fused launch: the wait for the earlier phases, after the prefetch).
-// Inputs: q, kc, vc, off, cnt (>= B*L*HKV*G/GB).   Outputs: o [B, L, H, D],
+// a launch); [WAIT_INPUTS] (a fused launch: the wait for the earlier phases, after the prefetch);
+// [LEFT_PAD].
+// Inputs: q, kc, vc, off, [lp (LEFT_PAD: int32 per row)], cnt (>= B*L*HKV*G/GB).   Outputs: o [B, L, H, D],
 //   pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
   constexpr int LPP = D / 8;
@@ -41,12 +45,22 @@
   const int h0 = hk * G + g0;             // ... and within all H
   const int bl = BLOCK_Z;
   const int b = bl / L, l = bl % L;
+#ifdef LEFT_PAD
+  const int first = lp[b];                 // row b's keys start after its left padding
+  const int n = off[0] + l + 1 - first;    // ... and these are its valid positions
+#else
   const int n = off[0] + l + 1;
+#endif
   const int CH = max((n + nsplit - 1) / nsplit, MINCH);
   const int nvalid = (n + CH - 1) / CH;
   if (split >= nvalid) return;
+#ifdef LEFT_PAD
+  const int start = first + split * CH;
+  const int end = min(start + CH, first + n);
+#else
   const int start = split * CH;
   const int end = min(start + CH, n);
+#endif
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;

@@ -39,6 +39,8 @@
 //                off[0] + l (inputs written through a
 //                const_cast: MLX never sees the write; later readers are ordered after this
 //                launch through their use of yq). The completing block resets its ticket to 0.
+//                LEFT_PAD (a batch cache: rows left-padded by lp[b], one write index off[0]):
+//                the cache write stays at off[0] + l, RoPE takes row b's position off[0] + l - lp[b].
 //
 // Row groups in turn (STREAM, a fused launch's EPI 0-2 phases): the phase launches STREAM blocks and
 // block b runs row groups b, b + STREAM, ... (each as a block of its own would), sending the next
@@ -48,10 +50,10 @@
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
 // NW, VEC, EPI, XK, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
-// ROPE_SCALE. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
+// ROPE_SCALE, [LEFT_PAD]. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
 //
-// Inputs (names): x, w, sc, bi, [nw], [bias], [res], EPI 3: [qn, kn], off, [rf], kc, vc, cnt.
+// Inputs (names): x, w, sc, bi, [nw], [bias], [res], EPI 3: [qn, kn], off, [lp], [rf], kc, vc, cnt.
 // Outputs: y, or for EPI 3: yq, ys
 
   constexpr int EPW = (BITS == 4 ? 8 : 4) * VEC;   // k per lane per step
@@ -440,7 +442,11 @@
     // one warp per activation row: (norm) + rope
     for (int m = warp; m < M; m += NW) {
       const int b = m / L, l = m % L;
+#ifdef LEFT_PAD
+      const int pos = pos0 + l - lp[b];   // RoPE at the row's own position (its cache offset)
+#else
       const int pos = pos0 + l;
+#endif
 #if HAS_QKNORM
       {
         float ssq = 0.f;
@@ -461,7 +467,11 @@
       if (kind == 0) {
         dst = yq + (((size_t)b * L + l) * H + head) * D;
       } else {
+#ifdef LEFT_PAD
+        dst = const_cast<T*>(kc) + b * kc_strides[0] + head * kc_strides[1] + (pos0 + l) * kc_strides[2];
+#else
         dst = const_cast<T*>(kc) + b * kc_strides[0] + head * kc_strides[1] + pos * kc_strides[2];
+#endif
       }
       constexpr int HALF = D / 2;
       for (int i = lane; i < HALF; i += 32) {

@@ -60,6 +60,43 @@ def generation(model, prompt, n, tick=None, every=1.0):
     return t_first - t0, t_end - t_first, tokens, mx.get_peak_memory()
 
 
+def batch_generation(rows):
+    """generation() for `rows` sequences decoded together through mlx-lm's BatchGenerator (what
+    mlx_lm.server and batch_generate run): row i's prompt is the prompt rotated by i (distinct
+    rows), all inserted at once, greedy, n tokens each. The first time is to every row's first
+    token, the second for the other n - 1 tokens of every row; the tokens are row 0's."""
+
+    def run(model, prompt, n, tick=None, every=1.0):
+        from mlx_lm.generate import BatchGenerator
+
+        prompts = [mx.roll(prompt, i).tolist() for i in range(rows)]
+        mx.synchronize()
+        mx.reset_peak_memory()
+        gc.collect()
+        gc.disable()
+        try:
+            gen = BatchGenerator(model, max_tokens=n, completion_batch_size=rows, prefill_batch_size=rows)
+            t0 = time.perf_counter()
+            uids = gen.insert(prompts)
+            tokens = {uid: [] for uid in uids}
+            t_first, next_tick = None, t0 + every
+            while responses := gen.next_generated():
+                for r in responses:
+                    tokens[r.uid].append(r.token)
+                if t_first is None and all(tokens.values()):
+                    t_first = time.perf_counter()
+                if tick is not None and (now := time.perf_counter()) >= next_tick:
+                    tick(len(tokens[uids[0]]))
+                    next_tick = now + every
+            t_end = time.perf_counter()
+            gen.close()
+        finally:
+            gc.enable()
+        return t_first - t0, t_end - t_first, tokens[uids[0]], mx.get_peak_memory()
+
+    return run
+
+
 class Progress:
     """bench's progress on stderr: on a terminal one line, rewritten; in a log a line per event.
     `line` always prints (a generation's result); `tick` (where a generation is) prints at most
@@ -95,15 +132,19 @@ def _stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
-def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, tick=None, tick_every=1.0):
+def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, tick=None, tick_every=1.0,
+            batch=None):
     """Time `variants`, a list of (name, model, prepare): prepare() (or None) puts the model in that
     variant's state before each of its generations; the first variant is the baseline of ratios and
     agreement. progress(text), when given, gets each generation's result; tick(text) where a
-    generation is (its prompt, then the tokens so far, at most every tick_every seconds). Returns
-    the rows: per prompt length, pp and (where gen > 0) tg."""
-    if not prompts or min(prompts) < 1 or gen < 0 or trials < 1 or warmup < 0:
-        raise ValueError(f"bench needs prompt lengths >= 1, gen >= 0, trials >= 1, warmup >= 0; got "
-                         f"{list(prompts)}, {gen}, {trials}, {warmup}")
+    generation is (its prompt, then the tokens so far, at most every tick_every seconds). batch:
+    that many rows at once through mlx-lm's BatchGenerator (batch_generation; rates are of every
+    row's tokens), else one sequence through generate_step. Returns the rows: per prompt length, pp
+    and (where gen > 0) tg."""
+    if not prompts or min(prompts) < 1 or gen < 0 or trials < 1 or warmup < 0 or (batch is not None and batch < 1):
+        raise ValueError(f"bench needs prompt lengths >= 1, gen >= 0, trials >= 1, warmup >= 0, batch >= 1; got "
+                         f"{list(prompts)}, {gen}, {trials}, {warmup}, {batch}")
+    generate = generation if batch is None else batch_generation(batch)
     names = [v[0] for v in variants]
     vocab = variants[0][1].args.vocab_size
     rounds = warmup + trials
@@ -122,13 +163,13 @@ def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, t
                 if tick:
                     tick(f"{where} prompt of {n_prompt} tokens")
                     tokens_so_far = lambda done, where=where: tick(f"{where} {done}/{gen + 1} tokens")
-                run = generation(model, prompt, gen + 1, tokens_so_far, tick_every)
+                run = generate(model, prompt, gen + 1, tokens_so_far, tick_every)
                 if r >= warmup:
                     runs[name].append(run)
                 if progress:
-                    tg = f" tg {gen / run[1]:8.2f}" if gen else ""
-                    progress(f"{where} pp {n_prompt / run[0]:8.2f}{tg} tok/s")
-        rows += _rows(n_prompt, gen, runs, names)
+                    tg = f" tg {(batch or 1) * gen / run[1]:8.2f}" if gen else ""
+                    progress(f"{where} pp {(batch or 1) * n_prompt / run[0]:8.2f}{tg} tok/s")
+        rows += _rows(n_prompt, gen, runs, names, batch)
     return rows
 
 
@@ -150,12 +191,13 @@ def estimate(model, prompts, gen, rounds, n_variants):
     return {"seconds": n_variants * rounds * per_round, "prefill_tokens": n, "prefill_s": t1 - t0, "step_s": t2 - t1}
 
 
-def _rows(n_prompt, gen, runs, names):
+def _rows(n_prompt, gen, runs, names, batch=None):
     base = names[0]
     agree = {name: [_first_difference(b[2], v[2]) for b, v in zip(runs[base], runs[name])] for name in names[1:]}
-    kinds = [("pp", f"pp{n_prompt}", lambda run: n_prompt / run[0])]
+    rows_of, label = (1, "") if batch is None else (batch, f" x{batch}")   # rates of every row's tokens
+    kinds = [("pp", f"pp{n_prompt}{label}", lambda run: rows_of * n_prompt / run[0])]
     if gen:
-        kinds.append(("tg", f"tg{gen} @{n_prompt}", lambda run: gen / run[1]))
+        kinds.append(("tg", f"tg{gen} @{n_prompt}{label}", lambda run: rows_of * gen / run[1]))
     rows = []
     for kind, test, rate in kinds:
         tok_s = {name: [rate(run) for run in runs[name]] for name in names}
@@ -167,17 +209,18 @@ def _rows(n_prompt, gen, runs, names):
             if name != base:
                 v["agreement"] = {"matching": min(agree[name]), "tokens": gen + 1, "per_trial": agree[name]}
             variants[name] = v
-        rows.append({"test": test, "kind": kind, "prompt": n_prompt, "gen": gen, "variants": variants})
+        rows.append({"test": test, "kind": kind, "prompt": n_prompt, "gen": gen, "batch": batch, "variants": variants})
     return rows
 
 
 def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=(), extra=(), seed=0,
-        progress=True):
+        progress=True, batch=None):
     """Stock and patched (every fusion but `disable`, untuned) on one model object, unpatch/patch
     between generations (patch reuses the parked fused modules and compiled step). extra: [(name,
     model, disable, tune)], more variants, each a separate copy patched once with its `disable` and
     `tune` (patch settings belong to a model object; a tuned copy's patch report holds the tuner's
-    decisions and how long they took). Leaves `model` patched. Returns the model's result."""
+    decisions and how long they took). batch: see compare. Leaves `model` patched. Returns the
+    model's result."""
     report = patch(model, disable=disable, tune="off")
     variants = [("stock", model, lambda: unpatch(model)),
                 ("patched", model, lambda: patch(model, disable=disable, tune="off"))]
@@ -187,10 +230,10 @@ def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=
         variants.append((name, copy, None))
     if progress:
         say = Progress(label)
-        rows = compare(variants, prompts, gen, trials, warmup, seed, say.line, say.tick, say.every)
+        rows = compare(variants, prompts, gen, trials, warmup, seed, say.line, say.tick, say.every, batch)
         say.done()
     else:
-        rows = compare(variants, prompts, gen, trials, warmup, seed)
+        rows = compare(variants, prompts, gen, trials, warmup, seed, batch=batch)
     patch(model, disable=disable, tune="off")
     return {"model": label, "quant": quant_label(model), "variants": [v[0] for v in variants], "rows": rows,
             "patch": reports}
@@ -281,7 +324,8 @@ def to_markdown(doc):
     disable = settings.get("disable") or m.get("MLX_FASTOPS_DISABLE")
     gpu = f", {m['gpu']}" if m.get("gpu") else ""
     lines += ["", f"ppN: N prompt tokens / time to the first token; tgG @N: the G tokens after the first / "
-                  f"their time, after an N-token prompt. Median (min-max) of {settings['trials']} trials after "
+                  f"their time, after an N-token prompt; xB: B sequences at once through mlx-lm's BatchGenerator, "
+                  f"the tokens of all of them / the time. Median (min-max) of {settings['trials']} trials after "
                   f"{settings['warmup']} warm-up round(s), variants in rotating order; ratio of medians to stock. "
                   "Greedy agreement: generated tokens equal to stock's from the first on (fewest over the trials)."
               + (f" Patched with {disable} left stock." if disable else "")

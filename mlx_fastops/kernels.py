@@ -103,12 +103,15 @@ def compact_source(src):
 _DIRECTIVE = re.compile(r"\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)")
 
 
-def _condition(directive, expr, defines):
+def _condition(directive, expr, defines, undefined=()):
     """True/False for `#if NAME`, `#if NAME == <int>`, `#ifdef NAME`, `#ifndef NAME` over the
-    integer-valued `defines`; None for anything else (left to the compiler)."""
+    integer-valued `defines` (and for `#ifdef` / `#ifndef`, the names known to be `undefined`);
+    None for anything else (left to the compiler)."""
     expr = expr.split("//")[0].strip()
     if directive in ("ifdef", "ifndef"):
-        return (directive == "ifdef") if expr in defines else None
+        if expr in defines:
+            return directive == "ifdef"
+        return (directive == "ifndef") if expr in undefined else None
     m = re.fullmatch(r"(\w+)(?:\s*==\s*(-?\d+))?", expr)
     if not m or m.group(1) not in defines:
         return None
@@ -119,11 +122,12 @@ def _condition(directive, expr, defines):
     return v == int(m.group(2)) if m.group(2) is not None else v != 0
 
 
-def resolve_conditionals(src, defines):
-    """src with each conditional that `defines` decide (see _condition) cut down to the branch
-    taken; the others stay. The compiler would drop the same text: this only shortens the source
-    (MLX hashes a CUDA kernel's source at every launch: see cuda_kernel). `defines` must be the
-    values the names have where the conditionals stand (src must not #define or #undef them)."""
+def resolve_conditionals(src, defines, undefined=()):
+    """src with each conditional that `defines` and `undefined` decide (see _condition) cut down
+    to the branch taken; the others stay. The compiler would drop the same text: this only shortens
+    the source (MLX hashes a CUDA kernel's source at every launch: see cuda_kernel). `defines` must
+    be the values the names have where the conditionals stand, `undefined` names that are not
+    defined there (src must not #define or #undef them)."""
     out, stack, emitting = [], [], True   # stack frames: [mode, emitting outside, a branch taken]
     for line in src.splitlines(keepends=True):
         m = _DIRECTIVE.match(line)
@@ -133,7 +137,7 @@ def resolve_conditionals(src, defines):
             continue
         d, expr = m.groups()
         if d in ("if", "ifdef", "ifndef"):
-            v = _condition(d, expr, defines) if emitting else None
+            v = _condition(d, expr, defines, undefined) if emitting else None
             mode = "skip" if not emitting else ("keep" if v is None else "cut")
             stack.append([mode, emitting, bool(v)])
             if mode == "keep":
@@ -147,7 +151,7 @@ def resolve_conditionals(src, defines):
             out.append(line)
         elif mode == "cut":
             if d == "elif":
-                v = None if taken else _condition("if", expr, defines)
+                v = None if taken else _condition("if", expr, defines, undefined)
                 if not taken and v is None:   # undecided after decided-false branches: an #if now
                     frame[0] = "keep"
                     out.append(line.replace("elif", "if", 1))

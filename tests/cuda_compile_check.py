@@ -117,7 +117,7 @@ def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
     T = CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
-        "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") else ("float" if base(n) == "rf" else T))
+        "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") or base(n) == "lp" else ("float" if base(n) == "rf" else T))
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
     return wrap(f"layer_m{M}", kw["source"], ins, outs, kw["header"]), 128
@@ -147,7 +147,11 @@ def cases():
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 16, False),
               ("qwen3-0.6b", 2, q06, 33, shapes06, False, 2, False), ("qwen3-0.6b", 1, q06, 33, shapes06, False, 4, False),
               ("qwen3-0.6b", 1, q06, 33, shapes06, False, 28, False), ("qwen3-0.6b", 1, q06, 33, shapes06, False, 28, True),
-              ("G8 D128", 8, g8, 4, shapes_g8, False, 1, False)]
+              ("G8 D128", 8, g8, 4, shapes_g8, False, 1, False),
+              # a batch cache's rows (LEFT_PAD: per-layer left padding)
+              ("qwen3-0.6b batch", 4, {**q06, "lpad": True}, 33, shapes06, False, 1, False),
+              ("qwen3-0.6b batch", 8, {**q06, "lpad": True}, 33, shapes06, False, 28, False),
+              ("qwen2.5-0.5b batch", 3, {**q25, "lpad": True}, 33, shapes25, True, 1, False)]
     for name, M, head, nsplit, shapes, bias, n, stamps in layers:
         yield (f"layers x{n} {name} M{M}{' stamps' if stamps else ''}",
                layer_case(M, head, nsplit, shapes, bias, n, stamps))

@@ -91,6 +91,17 @@ def test_progress_moves_within_a_generation():
     assert " tok/s" in lines[-1]
 
 
+def test_bench_batched_through_batch_generator():
+    """batch=B: B rows at once through mlx-lm's BatchGenerator, rates of all B rows' tokens; on the
+    reference path patched generates stock's tokens."""
+    model = mlx_fastops.synthetic_model("qwen3-tiny")
+    res = bench.run(model, "m", prompts=[8], gen=4, trials=1, warmup=0, progress=False, batch=3)
+    mlx_fastops.unpatch(model)
+    assert [r["test"] for r in res["rows"]] == ["pp8 x3", "tg4 @8 x3"]
+    patched = res["rows"][1]["variants"]["patched"]
+    assert patched["agreement"]["matching"] == 5 and patched["median"] > 0
+
+
 def test_bench_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"

@@ -53,11 +53,15 @@ RESOLVE_CASES = [
     # values that are not integers decide nothing
     (dict(EPI="blk", XK="1e-6f"), [line for line in SRC.splitlines()]),
 ]
+# (defines, names known to be undefined, the lines kept)
+RESOLVE_CASES = [(d, (), kept) for d, kept in RESOLVE_CASES] + [
+    (dict(EPI=0, XK=0), ("WAIT", "__CUDA_ARCH__"), ["a", "e0", "no_wait", "z"]),
+]
 
 
-@pytest.mark.parametrize("defines,kept", RESOLVE_CASES)
-def test_resolve_conditionals(defines, kept):
-    assert kernels.resolve_conditionals(SRC, defines).splitlines() == kept
+@pytest.mark.parametrize("defines,undefined,kept", RESOLVE_CASES)
+def test_resolve_conditionals(defines, undefined, kept):
+    assert kernels.resolve_conditionals(SRC, defines, undefined).splitlines() == kept
 
 
 def test_resolve_conditionals_rejects_unterminated_if():
@@ -84,16 +88,18 @@ TINY = dict(head=dict(D=64, H=4, HKV=2, L=1, freqs=True, qknorm=True, trad=False
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
-def captured_layer(case, M=1, nlayers=1, nsplit=17, bias=False):
-    """What mx.fast.cuda_kernel would receive for layer.layer_build (compacted source and header)."""
+def captured_layer(case, M=1, nlayers=1, nsplit=17, bias=False, lpad=False):
+    """What mx.fast.cuda_kernel would receive for layer.layer_build (compacted source and header);
+    lpad: over a batch cache (left padding per row)."""
     got = {}
 
     def capture(**kw):
         got.update(kw)
         return kw
 
+    head = {**case["head"], **({"lpad": True} if lpad else {})}
     with kernels.use_cuda_factory(capture):
-        layer.layer_build(mx.bfloat16, M, case["shapes"], 1e-6, 1e-6, bias, tuple(sorted(case["head"].items())),
+        layer.layer_build(mx.bfloat16, M, case["shapes"], 1e-6, 1e-6, bias, tuple(sorted(head.items())),
                           nsplit, 0.088, 2, nlayers)
     return got
 
@@ -116,11 +122,13 @@ def generated_part(kw):
                       "---- source", kw["source"]])
 
 
-@pytest.mark.parametrize("name,layers,M,bias", [("layer_x1", 1, 1, True), ("layer_x3", 3, 2, False)])
-def test_generated_layer_source_matches_golden(name, layers, M, bias):
-    """The generated dispatch of the one-launch layer, for one layer and for a 3-layer launch,
-    against a reviewed copy in tests/golden/ (UPDATE_GOLDEN=1 rewrites it after a deliberate change)."""
-    text = generated_part(captured_layer(TINY, M, layers, bias=bias))
+@pytest.mark.parametrize("name,layers,M,bias,lpad", [("layer_x1", 1, 1, True, False), ("layer_x3", 3, 2, False, False),
+                                                     ("layer_x3_batch", 3, 3, False, True)])
+def test_generated_layer_source_matches_golden(name, layers, M, bias, lpad):
+    """The generated dispatch of the one-launch layer, for one layer, a 3-layer launch and one over
+    batch caches, against a reviewed copy in tests/golden/ (UPDATE_GOLDEN=1 rewrites it after a
+    deliberate change)."""
+    text = generated_part(captured_layer(TINY, M, layers, bias=bias, lpad=lpad))
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(text)

@@ -1,11 +1,12 @@
-"""StaticKVCache (the CUDA fast path's cache) on any backend: same contents as mlx-lm's KVCache
-through prefill, decode and growth, and the explicit ordering of in-place writers after readers."""
+"""StaticKVCache and StaticBatchKVCache (the CUDA fast path's caches) on any backend: same contents
+as mlx-lm's KVCache / BatchKVCache through prefill, decode, growth and batching, and the explicit
+ordering of in-place writers after readers."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlx_fastops.backends.cuda.cache import StaticKVCache
+from mlx_fastops.backends.cuda.cache import StaticBatchKVCache, StaticKVCache
 
 
 @pytest.mark.parametrize("steps", [(5, 1, 1, 300), (1024, 1), (1023, 2, 1)])
@@ -45,3 +46,85 @@ def test_saved_prompt_cache_loads_again(tmp_path):
     assert type(loaded) is StaticKVCache and loaded.offset == 5
     keys, values = loaded.update_and_fetch(k[:, :, :1], k[:, :, :1])   # keeps working after loading
     assert keys.shape[2] == 6 and mx.array_equal(keys[:, :, :5], k)
+
+
+def _kv(B, L, seed):
+    return (mx.random.normal((B, 3, L, 8), key=mx.random.key(seed)),
+            mx.random.normal((B, 3, L, 8), key=mx.random.key(1000 + seed)))
+
+
+def _same(ours, ref):
+    assert type(ours) is StaticBatchKVCache
+    assert ours._idx == ref._idx and ours.keys.shape == ref.keys.shape
+    for a, b in zip(ours.state[:4], ref.state[:4]):
+        assert mx.array_equal(a, b)
+
+
+# What mlx-lm's BatchGenerator does to a batch cache, as (method, arguments) in order; "decode"
+# stands for one update_and_fetch of one token per row (B is the batch's current row count).
+BATCH_SCRIPTS = [
+    [("decode",), ("decode",)],
+    [("prepare", dict(lengths=[3, 5, 2], right_padding=[2, 0, 3])), ("prefill", 5), ("finalize",), ("decode",)],
+    [("filter", [0, 2]), ("decode",), ("filter", [1])],                 # the unpadded row leaves: shift
+    [("extend", 2, 7), ("decode",), ("extend", 1, 300), ("decode",)],   # a longer row joins: growth
+    [("trim", 2), ("decode",)],
+]
+
+
+@pytest.mark.parametrize("script", BATCH_SCRIPTS)
+def test_batch_cache_matches_batch_kv_cache(script):
+    """StaticBatchKVCache through mlx-lm's batching: merged from StaticKVCaches (what the patched
+    model's make_cache returns) and then every BatchKVCache method, with the same contents as
+    mlx-lm's BatchKVCache merged from KVCaches."""
+    singles = [], []
+    for i, n in enumerate((4, 9, 6)):
+        for caches, cls in zip(singles, (StaticKVCache, KVCache)):
+            caches.append(cls())
+            caches[-1].update_and_fetch(*_kv(1, n, i))
+    ours, ref = StaticKVCache.merge(singles[0]), KVCache.merge(singles[1])
+    _same(ours, ref)
+    for seed, (op, *args) in enumerate(script):
+        B = ref.left_padding.shape[0]
+        if op in ("decode", "prefill"):
+            kv = _kv(B, args[0] if args else 1, seed)
+            for a, b in zip(ours.update_and_fetch(*kv), ref.update_and_fetch(*kv)):
+                assert mx.array_equal(a, b)
+        elif op == "extend":
+            new = [StaticBatchKVCache([0] * args[0]), BatchKVCache([0] * args[0])]
+            kv = _kv(args[0], args[1], seed)
+            for c in new:
+                c.update_and_fetch(*kv)
+            ours.extend(new[0])
+            ref.extend(new[1])
+        else:
+            kwargs = args.pop() if args and isinstance(args[-1], dict) else {}
+            for c in (ours, ref):
+                getattr(c, op)(*args, **kwargs)
+        _same(ours, ref)
+    one = ours.extract(0)
+    assert type(one) is StaticKVCache and mx.array_equal(one.keys, ref.extract(0).keys)
+
+
+def test_batch_cache_fast_path_bookkeeping():
+    """What the fast path does to a StaticBatchKVCache: buffers grown as update_and_fetch grows
+    them, the write index and every row's offset advanced (the offset folded in when read), the
+    writer ordered after the last reader, stock methods after the fast path's kernels."""
+    c, ref = StaticBatchKVCache([2, 0]), BatchKVCache([2, 0])
+    for cache in (c, ref):
+        cache.update_and_fetch(*_kv(2, 255, 0))
+    assert c.takes(2, 3, 8, mx.float32) and not c.takes(3, 3, 8, mx.float32)
+    c.reserve(2, 3, 8, mx.float32, 257)
+    ref.update_and_fetch(*_kv(2, 2, 1))
+    assert c.keys.shape == ref.keys.shape and mx.array_equal(c.keys[:, :, :255], ref.keys[:, :, :255])
+    reader = mx.ones((3,))
+    c.advance(2, reader)
+    lp = c.fast_inputs()[3]
+    assert c.position() == 257 and c.fast_inputs()[2] is reader and c.fast_inputs()[3] is lp   # made once
+    assert lp.dtype == mx.int32 and lp.tolist() == [2, 0, 0, 0]   # 16 bytes: out of MLX's small pool
+    assert c.offset.tolist() == [255, 257]
+    c.filter([0])
+    assert c.last_reader is None and c._idx == 255 and c.offset.tolist() == [255]
+    c.left_padding += 3   # in place, as mlx-lm changes it: the kernels' copy follows
+    assert c.fast_inputs()[3].tolist() == [3, 0, 0, 0]
+    c.prepare(right_padding=[1])
+    assert not c.takes(1, 3, 8, mx.float32)   # a prompt chunk before finalize: stock's path

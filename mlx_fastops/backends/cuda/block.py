@@ -130,13 +130,16 @@ class FastBlock:
             c = self._counters[nlayers] = tickets(LAYER_GROUPS * nlayers)
         return c
 
-    def layer_arrays(self, j, kc, vc, after):
-        """This block's inputs of a layer launch, as layer j (names of layer.layer_build)."""
+    def layer_arrays(self, j, kc, vc, after, lp=None):
+        """This block's inputs of a layer launch, as layer j (names of layer.layer_build); lp: a
+        batch cache's left padding."""
         qkv, o, gu, dn = self.qkv, self.o, self.gate_up, self.down
         a = {"qkv_w": qkv.weight, "qkv_sc": qkv.scales, "qkv_bi": qkv.biases, "in_nw": self.in_norm[0],
              "kc": kc, "vc": vc, "after": after, "o_w": o.weight, "o_sc": o.scales, "o_bi": o.biases,
              "gu_w": gu.weight, "gu_sc": gu.scales, "gu_bi": gu.biases, "post_nw": self.post_norm[0],
              "dn_w": dn.weight, "dn_sc": dn.scales, "dn_bi": dn.biases}
+        if lp is not None:
+            a["lp"] = lp
         if qkv.bias is not None:
             a["qkv_bias"] = qkv.bias
         if self.qknorm:

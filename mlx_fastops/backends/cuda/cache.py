@@ -1,27 +1,26 @@
-"""StaticKVCache: the KV cache of the fast decode path, written in place by its kernels."""
+"""The KV caches of the fast decode path, written in place by its kernels: StaticKVCache (mlx-lm's
+KVCache, one sequence per row, one offset) and StaticBatchKVCache (mlx-lm's BatchKVCache: rows
+left-padded, finishing and joining as mlx-lm's BatchGenerator batches them)."""
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_lm_cache
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .source import PAD_WORDS
 
 
-class StaticKVCache(KVCache):
-    """KVCache whose buffers grow in big steps and are written in place by the fast decode path.
-
-    Prefill (and every path that is not the fast path) writes through `update_and_fetch` exactly
-    like KVCache (slice assignment, in place when MLX can donate); the fast decode kernels write
-    the new k/v rows straight into `keys`/`values` at `offset`.
+class _WrittenInPlace:
+    """The ordering discipline of a cache whose buffers the fast decode kernels write in place.
 
     MLX does not see those in-place writes, and MLX's CUDA graphs order kernels only by the
     buffers they declare (a kernel waits for the last kernel that output one of its input
     buffers). So the order is made explicit: `last_reader` is the output of the latest fast-path
     attention over the buffers; the next fast-path writer (the head kernel) takes it as an extra
-    input, and stock code that touches the buffers (`update_and_fetch`, growth) evaluates it
-    first. Without this, steps built lazily whose inputs do not depend on each other (teacher
-    forcing) could run out of order in one graph.
+    input, and stock code that touches the buffers evaluates it first (`_ordered`). Without this,
+    steps built lazily whose inputs do not depend on each other (teacher forcing) could run out of
+    order in one graph.
     """
 
-    step = 1024
     last_reader = None
 
     def _ordered(self):
@@ -29,6 +28,30 @@ class StaticKVCache(KVCache):
         if self.last_reader is not None:
             mx.eval(self.last_reader)
             self.last_reader = None
+
+    def fast_inputs(self):
+        """(keys, values, after) for the fast path's in-place writer; `after` is the last reader
+        (the writer's kernel takes it as an input, so it waits for it), else the keys again."""
+        return self.keys, self.values, self.keys if self.last_reader is None else self.last_reader
+
+
+class StaticKVCache(_WrittenInPlace, KVCache):
+    """KVCache whose buffers grow in big steps and are written in place by the fast decode path.
+
+    Prefill (and every path that is not the fast path) writes through `update_and_fetch` exactly
+    like KVCache (slice assignment, in place when MLX can donate); the fast decode kernels write
+    the new k/v rows straight into `keys`/`values` at `offset`.
+    """
+
+    step = 1024
+
+    def position(self):
+        """Where the fast path writes the next token (every row)."""
+        return self.offset
+
+    def takes(self, B, n_kv, D, dtype):
+        """Whether the fast path can decode B rows over this cache (reserve adapts the buffers)."""
+        return True
 
     def reserve(self, B, n_kv, D, dtype, needed):
         k = self.keys
@@ -44,6 +67,11 @@ class StaticKVCache(KVCache):
             nv[..., : self.offset, :] = self.values[..., : self.offset, :]
         self.keys, self.values = nk, nv
 
+    def advance(self, L, reader):
+        """After the fast path wrote L tokens: `reader` is the new last reader."""
+        self.offset += L
+        self.last_reader = reader
+
     def update_and_fetch(self, keys, values):
         B, n_kv, L, D = keys.shape
         prev = self.offset
@@ -54,12 +82,137 @@ class StaticKVCache(KVCache):
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    @classmethod
+    def merge(cls, caches):
+        # mlx-lm's BatchGenerator batches the model's caches through this: a batch the fast path takes
+        return StaticBatchKVCache.merge(caches)
+
+
+class StaticBatchKVCache(_WrittenInPlace, BatchKVCache):
+    """mlx-lm's BatchKVCache (rows left-padded; one write index `_idx` shared by every row; per-row
+    `offset` = `_idx` - `left_padding`, which every BatchKVCache method keeps) whose buffers the
+    fast decode path writes in place at `_idx`: RoPE at row b's offset, attention over
+    [left_padding[b], _idx].
+
+    Every method is BatchKVCache's (BatchGenerator's prefill with right padding, merge, extend,
+    filter, extract, finalize, trim); those that read or write the buffers first finish the fast
+    path's pending kernels. The fast path adds its tokens to the per-row offsets as a number, which
+    `offset` folds in when read: no graph node per layer and step that nothing evaluates.
+    """
+
+    _pending = 0   # tokens the fast path added to every row's offset since `offset` was last read
+    _lp_words = None
+
+    @property
+    def offset(self):
+        if self._pending:
+            self._offset, self._pending = self._offset + self._pending, 0
+        return self._offset
+
+    @offset.setter
+    def offset(self, value):
+        self._offset, self._pending = value, 0
+
+    @property
+    def left_padding(self):
+        return self._left_padding
+
+    @left_padding.setter
+    def left_padding(self, value):
+        # every change (mlx-lm's `+=` changes the array in place, then assigns it) drops the
+        # kernels' copy
+        self._left_padding, self._lp_words = value, None
+
+    def position(self):
+        return self._idx
+
+    def takes(self, B, n_kv, D, dtype):
+        # Right padding (a prompt chunk before finalize) and other row counts take stock's path.
+        k = self.keys
+        return (self._right_padding is None and self.left_padding.shape[0] == B
+                and (k is None or (k.shape[0] == B and k.shape[1] == n_kv and k.shape[3] == D and k.dtype == dtype)))
+
+    def reserve(self, B, n_kv, D, dtype, needed):
+        """Buffers holding `needed` positions, grown as BatchKVCache.update_and_fetch grows them."""
+        if self.keys is not None and self.keys.shape[2] >= needed:
+            return
+        self._ordered()
+        prev = self._idx
+        S = -(-(needed - prev) // self.step) * self.step
+        nk, nv = mx.zeros((B, n_kv, S, D), dtype), mx.zeros((B, n_kv, S, D), dtype)
+        if self.keys is None:
+            self.keys, self.values = nk, nv
+            return
+        if prev % self.step != 0:
+            self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+        self.keys = mx.concatenate([self.keys, nk], axis=2)
+        self.values = mx.concatenate([self.values, nv], axis=2)
+
     def fast_inputs(self):
-        """(keys, values, after) for the fast path's in-place writer; `after` is the last reader
-        (the writer's kernel takes it as an input, so it waits for it), else the keys again."""
-        return self.keys, self.values, self.keys if self.last_reader is None else self.last_reader
+        """(keys, values, after, left padding as the kernels take it: int32[max(B, PAD_WORDS)], made
+        on the GPU once per change: a host-made or 8-byte array would fault, see source.OFF_WORDS);
+        see _WrittenInPlace.fast_inputs."""
+        if self._lp_words is None:
+            lp = self._left_padding.astype(mx.int32)
+            self._lp_words = mx.pad(lp, (0, PAD_WORDS - lp.shape[0])) if lp.shape[0] < PAD_WORDS else lp + 0
+        return (*super().fast_inputs(), self._lp_words)
+
+    def advance(self, L, reader):
+        self._idx += L
+        self._pending += L
+        self.last_reader = reader
+
+    def update_and_fetch(self, keys, values):
+        self._ordered()
+        return super().update_and_fetch(keys, values)
+
+    def keys_and_values(self):
+        self._ordered()
+        return super().keys_and_values()
+
+    @property
+    def state(self):
+        self._ordered()
+        return self.keys, self.values, self.offset, self.left_padding, self._idx
+
+    @state.setter
+    def state(self, v):
+        self._ordered()
+        self.keys, self.values, self.offset, self.left_padding, self._idx = v
+
+    def finalize(self):
+        self._ordered()
+        super().finalize()
+
+    def filter(self, batch_indices):
+        self._ordered()
+        super().filter(batch_indices)
+
+    def extend(self, other):
+        self._ordered()
+        if isinstance(other, _WrittenInPlace):
+            other._ordered()
+        super().extend(other)
+
+    def extract(self, idx):
+        """Row idx as the fast path's single-sequence cache (BatchKVCache.extract's KVCache)."""
+        self._ordered()
+        c = super().extract(idx)
+        one = StaticKVCache()
+        one.keys, one.values, one.offset = c.keys, c.values, c.offset
+        return one
+
+    @classmethod
+    def merge(cls, caches):
+        for c in caches:
+            if isinstance(c, _WrittenInPlace):
+                c._ordered()
+        merged = super().merge(caches)
+        # mlx-lm makes a merge of empty caches a BatchKVCache of its own class
+        return merged if type(merged) is cls else cls([0] * len(caches))
 
 
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: let it find ours, so a
 # prompt cache saved from a patched model (mlx_lm.cache_prompt, save_prompt_cache) loads again.
 _mlx_lm_cache.StaticKVCache = StaticKVCache
+_mlx_lm_cache.StaticBatchKVCache = StaticBatchKVCache

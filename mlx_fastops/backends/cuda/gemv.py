@@ -87,7 +87,8 @@ def gemv_inputs(norm, bias, res, head=None):
     if head is not None:
         if head["qknorm"]:
             names += ["qn", "kn"]
-        names += ["off"] + (["rf"] if head["freqs"] else []) + ["kc", "vc", "cnt", "after"]
+        names += ["off"] + (["lp"] if head.get("lpad") else []) + (["rf"] if head["freqs"] else [])
+        names += ["kc", "vc", "cnt", "after"]
     return names
 
 
@@ -103,6 +104,8 @@ def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head
         d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
                  QEPS=flt(head["qeps"]), KEPS=flt(head["keps"]), ROPE_TRAD=head["trad"],
                  ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=flt(head["log2_base"]), ROPE_SCALE=flt(head["scale"]))
+        if head.get("lpad"):
+            d["LEFT_PAD"] = 1
     return d
 
 

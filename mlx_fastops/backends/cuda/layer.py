@@ -30,8 +30,8 @@ from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 
-_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "cnt": "const int32_t*", "ctr": "const int32_t*",
-           "rf": "const float*", "wait_g": "int", "wait_n": "int",
+_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
+           "ctr": "const int32_t*", "rf": "const float*", "wait_g": "int", "wait_n": "int",
            "ys": "float*", "pm": "float*", "po": "float*"}
 _WAITS = ["ctr", "wait_g", "wait_n"]   # WAIT_INPUTS' parameters: the counter, the group, its blocks
 
@@ -57,12 +57,13 @@ def _phase_args(x, out, w, bias, head):
     `base` (kind "": the array, "_shape" / "_strides": its shape / strides). w(p): WAIT_INPUTS'
     arguments of phase p."""
     P = lambda base, kind="": (base, kind)
+    lp = [P("lp")] if head.get("lpad") else []   # a batch cache's left padding, per layer
     qkv = [x, P("qkv_w"), P("qkv_w", "_shape"), P("qkv_sc"), P("qkv_bi"), P("in_nw")]
-    qkv += ([P("qkv_bias")] if bias else []) + ([P("qn"), P("kn")] if head["qknorm"] else []) + ["off"]
+    qkv += ([P("qkv_bias")] if bias else []) + ([P("qn"), P("kn")] if head["qknorm"] else []) + ["off"] + lp
     cache = [P("kc"), P("kc", "_strides"), P("vc"), P("vc", "_strides")]
     qkv += ([P("rf")] if head["freqs"] else []) + cache + ["head_cnt", P("after")]
     return [("layer_qkv", qkv + w(0) + ["yq", "ys"]),
-            ("layer_attn", ["yq", *cache, "off", "attn_cnt"] + w(1) + ["o", "pm", "po"]),
+            ("layer_attn", ["yq", *cache, "off", *lp, "attn_cnt"] + w(1) + ["o", "pm", "po"]),
             ("layer_o", ["o", P("o_w"), P("o_w", "_shape"), P("o_sc"), P("o_bi"), x] + w(2) + ["h"]),
             ("layer_gate_up", ["h", P("gu_w"), P("gu_w", "_shape"), P("gu_sc"), P("gu_bi"), P("post_nw")] + w(3)
              + ["a"]),
@@ -105,10 +106,13 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
+    if head.get("lpad"):
+        ad["LEFT_PAD"] = 1
     ys = HKV * ad["G"] // ad["GB"]   # the attention grid's y: kv heads x head subgroups
     ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {ys})",
               BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
-    header.append(_phase("layer_attn", "attention.cu", ad, dtype, ["q", "kc", "vc", "off", "cnt"] + _WAITS,
+    attn_in = ["q", "kc", "vc", "off"] + (["lp"] if head.get("lpad") else []) + ["cnt"]
+    header.append(_phase("layer_attn", "attention.cu", ad, dtype, attn_in + _WAITS,
                          ["o", "pm", "po"], strided=("kc", "vc")))
     sizes.append(nsplit * ys * M)
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
@@ -210,8 +214,9 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
 def layers_launch(blocks, x, off, bufs, stamps=False):
     """Consecutive decoder layers (block.FastBlock objects with one launch_key) in one launch:
     x [B, L, K] -> (output of the last, the attention scratch output: the new last reader of every
-    layer's cache). bufs: (kc, vc, after) per block. With stamps (benchmarks/cuda_layer_phases.py),
-    also (int64 [blocks, 3]: each block's entry and end time in ns and its SM, blocks per group in
+    layer's cache). bufs: (kc, vc, after) per block, or for a batch cache (kc, vc, after, lp: its
+    left padding, int32[max(B, PAD_WORDS)]). With stamps (benchmarks/cuda_layer_phases.py), also
+    (int64 [blocks, 3]: each block's entry and end time in ns and its SM, blocks per group in
     launch order)."""
     fb = blocks[0]
     B, L, K = x.shape
@@ -219,13 +224,14 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     qkv, gu = fb.qkv, fb.gate_up
     nsplit, partials = attn_partials(M * fb.HKV, bufs[0][0].shape[2], fb.H // fb.HKV, fb.gb, fb.D)
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
+    head = fb.head + (("L", L),) + ((("lpad", True),) if len(bufs[0]) == 4 else ())
     kern, groups, names = layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
-                                      fb.head + (("L", L),), nsplit, fb.scale, fb.gb, len(blocks), stamps)
+                                      head, nsplit, fb.scale, fb.gb, len(blocks), stamps)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
-    for j, (b, (kc, vc, after)) in enumerate(zip(blocks, bufs)):
-        arrays.update(b.layer_arrays(j, kc, vc, after))
+    for j, (b, buf) in enumerate(zip(blocks, bufs)):
+        arrays.update(b.layer_arrays(j, *buf))
     f32 = mx.float32
     shapes_out = [(B, L, K), (B, L, fb.H, fb.D), (M, qkv.out_features), (B, L, fb.H, fb.D), *partials, (M, K),
                   (M, gu.out_features // 2)]

@@ -15,9 +15,13 @@ from ...kernels import read_source, resolve_conditionals
 CTYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
 HALF = (mx.float16, mx.bfloat16)
 MAX_ROWS = 8   # activation rows of the decode kernels (B * L); more rows go to the reference
+PAD_WORDS = 4  # a batch cache's left padding, int32[max(B, PAD_WORDS)]: over 8 bytes (see OFF_WORDS)
 
 # A kernel in a launch of its own finds its block through blockIdx/gridDim.
 STANDALONE = dict(BLOCK_X="blockIdx.x", BLOCK_Y="blockIdx.y", BLOCK_Z="blockIdx.z", GRID_X="gridDim.x")
+# Features a kernel has where the wrapper defines them, and lacks otherwise: an `#ifdef` on one that
+# is not defined is cut here, so a kernel without the feature has the source it had before it.
+FLAGS = ("LEFT_PAD",)
 
 
 def source(filename, defines, dtype):
@@ -25,7 +29,8 @@ def source(filename, defines, dtype):
     defines = {**STANDALONE, **defines}
     lines = [f"#define {k} {int(v) if isinstance(v, bool) else v}" for k, v in defines.items()]
     lines.append(f"using T = {CTYPE[dtype]};")
-    return "\n".join(lines) + "\n" + resolve_conditionals(read_source("cuda", filename), defines)
+    undefined = [f for f in FLAGS if f not in defines]
+    return "\n".join(lines) + "\n" + resolve_conditionals(read_source("cuda", filename), defines, undefined)
 
 
 def kernel_name(kind, src):

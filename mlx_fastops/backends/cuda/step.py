@@ -4,6 +4,9 @@
 has a FastBlock, the model's make_cache returns StaticKVCaches and model.model's class is swapped
 for one whose decode call (B * L <= MAX_ROWS tokens over those caches) is one compiled function:
 embedding, the layer launches (consecutive small layers sharing one: launch_runs), final norm.
+mlx-lm's BatchGenerator merges those caches into StaticBatchKVCaches (left-padded rows, one write
+index), which the same step takes (the kernels given each row's left padding); anything else,
+and more than MAX_ROWS rows, takes the composed fused ops.
 The step also computes the next cache offset on the GPU (a host-made offset array faults once on
 first use: source.OFF_WORDS).
 
@@ -21,7 +24,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import DecodePath
 from .block import FastBlock
-from .cache import StaticKVCache
+from .cache import StaticBatchKVCache, StaticKVCache
 from .layer import layers_launch
 from .source import MAX_ROWS, offset_array
 
@@ -43,23 +46,32 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
                 watch.changed()
             if watch.ready():
                 return self(inputs, cache=cache, input_embeddings=input_embeddings)
-        elif (type(cache[0]) is StaticKVCache and len(cache) == len(step.blocks)
-                and all(type(c) is StaticKVCache and c.offset == cache[0].offset for c in cache)):
+        elif _fast_caches(step.blocks, cache, inputs.shape[0]):
             B, L = inputs.shape
-            prev = cache[0].offset
+            prev = cache[0].position()
             bufs = []
             for fb, c in zip(step.blocks, cache):
                 c.reserve(B, fb.HKV, fb.D, fb.dtype, prev + L)
                 bufs.extend(c.fast_inputs())
-            dev = self.__dict__.get("_fastops_off")   # (offset value, int32 array on the GPU)
+            dev = self.__dict__.get("_fastops_off")   # (position, int32 array on the GPU)
             off = dev[1] if dev is not None and dev[0] == prev else offset_array(prev)
             h, off_next, *readers = step.fn(inputs, off, *bufs)
             object.__setattr__(self, "_fastops_off", (prev + L, off_next))
             for c, r in zip(cache, readers):
-                c.offset = prev + L
-                c.last_reader = r
+                c.advance(L, r)
             return h
     return type(self)._fastops_base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
+
+
+def _fast_caches(blocks, cache, B):
+    """Whether the decode step takes B rows over `cache`: one cache per block, all StaticKVCache or
+    all StaticBatchKVCache, at one write position, each able to take the rows."""
+    kind = type(cache[0])
+    if kind not in (StaticKVCache, StaticBatchKVCache) or len(cache) != len(blocks):
+        return False
+    pos = cache[0].position()
+    return all(type(c) is kind and c.position() == pos and c.takes(B, fb.HKV, fb.D, fb.dtype)
+               for c, fb in zip(cache, blocks))
 
 
 class _Step:
@@ -115,12 +127,15 @@ def _compile_step(model, fasts):
     runs = launch_runs(fasts)
 
     def step(tokens, off, *bufs):
+        # bufs: (keys, values, after) per layer, or over batch caches also their left padding
+        per = len(bufs) // len(fasts)
+        layer_bufs = [bufs[per * k:per * k + per] for k in range(len(fasts))]
         h = embed(tokens)
         if h.dtype != dtype:
             h = h.astype(dtype)
         readers = []
         for i, n in runs:
-            h, o = layers_launch(fasts[i:i + n], h, off, [bufs[3 * k:3 * k + 3] for k in range(i, i + n)])
+            h, o = layers_launch(fasts[i:i + n], h, off, layer_bufs[i:i + n])
             readers += [o] * n
         return [norm(h), off + tokens.shape[1], *readers]
 

@@ -1,0 +1,119 @@
+"""Batched decoding through mlx-lm's BatchGenerator (what mlx_lm.server and batch_generate run):
+left-padded rows of different prompt lengths, rows finishing early (the batch cache filters them
+out) and rows joining the running batch (prefill, then extend), patched against stock.
+
+On the reference path in float32 patched equals stock bit for bit. With the CUDA backend (the GPU
+under `pytest -m cuda`, else the CPU emulator of tests/cuda_emu) the batch's caches are
+StaticBatchKVCaches and every decode step of at most MAX_ROWS rows runs the fused decode step; the
+steps of more rows, and prompt chunks, the composed fused ops. There stock, patched and the float32
+oracle are teacher-forced along stock's tokens and judged by mlx_fastops.fidelity.judge.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_fastops
+from conftest import _cuda_factory as cuda_factory
+from decoding import batch_generator_run
+from mlx_fastops import fidelity, kernels, synthetic_model
+from mlx_fastops.backends.cuda import step as cuda_step
+from mlx_fastops.backends.cuda.source import MAX_ROWS
+
+ON_GPU = mx.cuda.is_available()
+CLEAR = 0.5   # the float32 oracle's top-1/top-2 margin (logits) that counts as a clear decision
+
+# (model, rows, prompt lengths, tokens each row generates, the step before which each row joins)
+CASES = [
+    ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1)),                     # a longer row joins a running one
+    ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0)),           # the cache grows past 256 while batched
+    ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1)),   # the longest leaves first: shift
+    ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9),
+    ("qwen3-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,)),
+]
+IDS = [f"{c[0]}-B{c[1]}" for c in CASES]
+
+
+def _prompts(lengths, vocab):
+    return [mx.random.randint(0, vocab, (n,), key=mx.random.key(n)).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name,B,lengths,max_tokens,join_at", CASES, ids=IDS)
+def test_reference_path_bit_exact(name, B, lengths, max_tokens, join_at, monkeypatch):
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "reference")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    model = synthetic_model(name, bits=4)   # float32
+    prompts = _prompts(lengths, model.args.vocab_size)
+    stock, stock_logits = batch_generator_run(model, prompts, max_tokens, join_at)
+    mlx_fastops.patch(model)
+    try:
+        got, logits = batch_generator_run(model, prompts, max_tokens, join_at)
+    finally:
+        mlx_fastops.unpatch(model)
+    assert got == stock and [len(t) for t in got] == list(max_tokens)
+    for a, b in zip(logits, stock_logits):
+        assert np.array_equal(a, b)
+
+
+@pytest.fixture
+def cuda_or_emulator():
+    factory, on_gpu = cuda_factory()
+    if on_gpu:
+        yield
+        return
+    mx.disable_compile()   # the emulator runs outside MLX's graph: the decode step runs eagerly
+    try:
+        with kernels.use_cuda_factory(factory):
+            yield
+    finally:
+        mx.enable_compile()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,B,lengths,max_tokens,join_at", CASES, ids=IDS)
+def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, cuda_or_emulator, monkeypatch):
+    from mlx_lm.generate import GenerationBatch
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    sizes, fast = [], []   # rows of every decode step; (rows, tokens) of every fused decode step
+    first = []             # the patched model's first FastBlock (its launches are the steps')
+
+    def decode_step(batch, _step=GenerationBatch._step):
+        sizes.append(len(batch.uids))
+        return _step(batch)
+
+    def launch(blocks, x, *args, _launch=cuda_step.layers_launch):
+        if first and blocks[0] is first[0]:
+            fast.append(x.shape[:2])
+        return _launch(blocks, x, *args)
+
+    monkeypatch.setattr(GenerationBatch, "_step", decode_step)
+    monkeypatch.setattr(cuda_step, "layers_launch", launch)
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B)
+    prompts = _prompts(lengths, model.args.vocab_size)
+    ref, stock = batch_generator_run(model, prompts, max_tokens, join_at)
+    del sizes[:]
+    report = mlx_fastops.patch(model)
+    try:
+        assert any(e.fusion == "compile" and e.status == "fused" for e in report.entries), str(report)
+        first.append(model.model._fastops_blocks[0])
+        _, patched = batch_generator_run(model, prompts, max_tokens, join_at, forced=ref)
+    finally:
+        mlx_fastops.unpatch(model)
+    decoded = [(n, 1) for n in sizes if n <= MAX_ROWS]
+    oracle_model = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B))
+    _, oracle = batch_generator_run(oracle_model, prompts, max_tokens, join_at, forced=ref)
+    steps = [s for s in fast if s[1] == 1]
+    # every decode step of at most MAX_ROWS rows took the fused step (traced once per shape on a GPU)
+    assert (set(steps) == set(decoded)) if ON_GPU else (steps == decoded), (steps, sizes)
+    assert all(n * L <= MAX_ROWS for n, L in fast)
+    verdict = fidelity.judge(*(mx.array(np.concatenate(a)) for a in (stock, patched, oracle)))
+    print(f"{name} B={B}: decode rows per step {sizes}; stock {verdict['stock']}, patched {verdict['patched']}")
+    assert not verdict["problems"], verdict["problems"]
+    # and the float32 model's token wherever its own top-1/top-2 margin is clear
+    o, p = np.concatenate(oracle), np.concatenate(patched)
+    top2 = np.sort(o, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] >= CLEAR
+    assert clear.sum() >= len(o) // 2, "too few clear decisions to compare"
+    assert (p.argmax(-1)[clear] == o.argmax(-1)[clear]).all(), np.nonzero(p.argmax(-1) != o.argmax(-1))
