@@ -21,13 +21,10 @@ FUSIONS = {
     "qk_norm_rope": "per-head q/k RMSNorm and RoPE in one op",
     "residual_norm": "residual add + post-attention RMSNorm in one op",
     "lm_head": "the (tied or untied) output projection",
-    "out_proj": "GPU: o_proj and down_proj through the backend's linear op (CUDA: the GEMV for 1-8 rows "
-                "where a block is not one launch, the prefill path from 512 rows); the one-launch "
-                "layer of fast_decode has its own",
     "attention": "decode attention and prefill attention ops",
-    "prefill": "GPU: QKV, gate/up and out_proj calls of more than 8 rows on the backend's prefill path "
-               "(CUDA, 512 rows or more: dense matmuls on weights dequantised per call); off: stock "
-               "quantized_matmul",
+    "prefill": "GPU: QKV, gate/up, o_proj and down calls of more than 8 rows on the backend's prefill "
+               "path (CUDA, 512 rows or more: dense matmuls on weights dequantised per call); off: "
+               "stock quantized_matmul",
     "fast_decode": "CUDA: each decoder block as one launch (norm + QKV + q/k norm + RoPE + cache write, "
                    "attention, o_proj + residual, norm + gate/up + SiLU, down + residual) over a static KV "
                    "cache; consecutive small layers share a launch",

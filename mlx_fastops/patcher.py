@@ -175,18 +175,18 @@ class Planner:
         return packed
 
     def projection(self, where, module):
-        """`module` (o_proj, down_proj) as the backend's linear op bound to its weights, or None:
-        the stock module runs, unreported on a backend without a linear op (the reference op is
-        the stock module's computation), else reported skipped (off, an adapter, unsupported)."""
+        """`module` (o_proj, down_proj) on the backend's prefill path (its linear op) bound to its
+        weights, or None: the stock module runs, unreported on a backend without a prefill path,
+        else reported skipped (off, an adapter, unsupported)."""
         if self.backend == "reference" or getattr(ops.backend_module(self.backend), "linear", None) is None:
             return None
-        reason = self.off("out_proj") or ("LoRA adapter: stock" if adapter_of(module)[1] is not None
-                                          else PackedLinear.unsupported([module]))
+        reason = self.off("prefill") or ("LoRA adapter: stock" if adapter_of(module)[1] is not None
+                                         else PackedLinear.unsupported([module]))
         if reason:
-            self.skip(where, "out_proj", reason)
+            self.skip(where, "prefill", reason)
             return None
         w = PackedLinear.stack([module])
-        return partial(self.select(where, "out_proj", "linear", **w.info()), w=w)
+        return partial(self.select(where, "prefill", "linear", **w.info()), w=w)
 
     def configure(self, module, settings):
         for name, value in settings.items():

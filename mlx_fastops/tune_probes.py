@@ -7,15 +7,14 @@ the stock side is what the model computes with that fusion off:
   qkv            qkv_fn(x)                        q_proj(x), k_proj(x), v_proj(x)    decode rows
   gate_up        gate_up_fn(x)                    swiglu(gate_proj(x), up_proj(x))   decode rows
   lm_head        the head op                      the stock class's projection       decode rows
-  out_proj       out_fn(x), down_fn(x)            o_proj(x), down_proj(x)            decode rows
   qk_norm_rope   norm_rope_fn(q, k, offset)       q/k RMSNorm, then nn.RoPE          decode rows, prefill
   residual_norm  add_norm_fn(r, x)                x + r, then the post-attention norm decode rows, prefill
   attention      decode_fn over a KV buffer;      mx.fast.scaled_dot_product_attention  decode rows at the
                  prefill_fn, causal               on the valid part / causal         context length, prefill
-  prefill        the backend's qkv / gate_up /    the reference op (stock quantized_matmul on the
-                 linear op at prefill rows        stacked weights: what `prefill` off leaves)
-qkv, gate_up and out_proj at more than 8 rows run the backend's prefill path (judged as `prefill`) or the
-reference op, stock's own quantized_matmul on stacked weights, so they are timed at decode rows.
+qkv and gate_up at more than 8 rows run the backend's prefill path or the reference op (stock's own
+quantized_matmul on the stacked weights), so they are timed at decode rows; `prefill` (those calls,
+and o_proj / down, on a GPU's prefill path) is timed by whole prompt chunks (tuner._whole_prefill),
+since its cost is also in what stays alive between the calls (backends/cuda/prefill.py).
 """
 
 from dataclasses import dataclass
@@ -25,8 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention as stock_sdpa
 
-from . import ops
-from .ops.weights import PackedLinear, out_features
+from .ops.weights import out_features
 
 KV_STEP = 256   # mlx-lm's KVCache grows its buffers in steps of 256 tokens
 
@@ -38,7 +36,6 @@ class Probe:
     make: Callable             # () -> tuple of inputs
     fused: Callable            # (*inputs) -> array or tuple of arrays
     stock: Callable
-    rows: int = 0              # prefill probes: the rows of the call
 
 
 def _randn(*shape, dtype):
@@ -66,11 +63,6 @@ def probes(state, rows, prefill, context):
         if mlp.gate_up_fn is not None:
             out.append(Probe("gate_up", f"decode B={b}", x(b, 1), mlp.gate_up_fn,
                              lambda x: swiglu(mlp._gate(x), mlp._up(x))))
-        for fn, stock in ((attn.out_fn, attn._o), (mlp.down_fn, mlp._down)):
-            if fn is not stock:
-                width = _in_features(stock)
-                out.append(Probe("out_proj", f"{width} in, decode B={b}",
-                                 _inputs(_randn(b, 1, width, dtype=dtype)), fn, stock))
         if state.head is not None:
             obj, original, head = state.head
             project = original.as_linear if hasattr(original, "as_linear") else original.__call__
@@ -87,12 +79,7 @@ def probes(state, rows, prefill, context):
             rx = _inputs(_randn(b, n, hidden, dtype=dtype), _randn(b, n, hidden, dtype=dtype))
             out.append(Probe("residual_norm", label, rx, block.add_norm_fn, lambda r, x: _add_norm(block, r, x)))
     out += _attention(attn, rows, prefill, context, dtype, head_dim)
-    out += _prefill(state, attn, mlp, prefill, dtype)
     return out
-
-
-def _in_features(linear):
-    return PackedLinear.stack([linear]).in_features   # one layer: its own arrays, nothing copied
 
 
 def _add_norm(block, r, x):
@@ -119,26 +106,4 @@ def _attention(attn, rows, prefill, context, dtype, D):
             out.append(Probe("attention", f"prefill {p}", qkv,
                              lambda q, k, v: attn.prefill_fn(q, k, v, scale, "causal"),
                              lambda q, k, v: stock_sdpa(q, k, v, cache=None, scale=scale, mask="causal")))
-    return out
-
-
-def _prefill(state, attn, mlp, prefill, dtype):
-    """`prefill`: the backend's qkv / gate_up / linear op against the reference op, at prefill rows."""
-    if state.backend == "reference" or "prefill" in state.disabled:
-        return []
-    out = []
-    weights = [("qkv_proj", attn.qkv_weights), ("gate_up_silu", mlp.gate_up_weights)]
-    weights += [("linear", PackedLinear.stack([stock])) for fn, stock in ((attn.out_fn, attn._o),
-                                                                       (mlp.down_fn, mlp._down)) if fn is not stock]
-    for op, w in weights:
-        if w is None:
-            continue
-        fn, used, _ = ops.select(op, state.backend, **w.info())
-        if used == "reference":
-            continue
-        ref = getattr(ops.backend_module("reference"), op)
-        for p in prefill:
-            out.append(Probe("prefill", f"{op} {w.in_features} in, prefill {p}",
-                             _inputs(_randn(1, p, w.in_features, dtype=dtype)),
-                             lambda x, fn=fn, w=w: fn(x, w), lambda x, ref=ref, w=w: ref(x, w), p))
     return out

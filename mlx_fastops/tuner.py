@@ -3,9 +3,9 @@
 Stock MLX's kernels are well tuned, and ours were measured on one GPU (an H200) only: on another
 device a fusion may lose. The tuner patches the model with every fusion on, times each fusion's
 op against the stock ops it replaces on the model's own shapes (tune_probes: decode rows 1..B,
-prefill chunks), and turns off the ones that do not win. A backend's whole-step switches
-(fast_decode, compile: CUDA's decode path) are judged by timing whole decode steps of the model
-patched with and without them.
+prefill chunks), and turns off the ones that do not win. A GPU's prefill path (`prefill`) is judged
+by whole prompt chunks of the model patched with and without it, and a backend's whole-step
+switches (fast_decode, compile: CUDA's decode path) by whole decode steps.
 
 Timing: per shape, both sides are warmed up (kernel builds), then timed `samples` times each,
 interleaved (fused, stock, stock, fused, ...); a sample evaluates `reps` calls on distinct inputs
@@ -125,9 +125,9 @@ def _judge(fusion, shapes):
 
 
 def _judge_prefill(sized):
-    """`prefill` from [(rows, Shape)] (each op at each size): kept above the largest size where
-    some op does not win, if it wins at the largest size; there, what the trend of GEMMs (more
-    rows, more reuse of each dequantised weight) makes likely above it as well."""
+    """`prefill` from [(rows, Shape)] (at each size, a whole prompt chunk or ops): kept above the
+    largest size where it does not win, if it wins at the largest size; there, what the trend of
+    GEMMs (more rows, more reuse of each dequantised weight) makes likely above it as well."""
     sizes = sorted({n for n, _ in sized})
     shapes = [s for _, s in sized]
     won = {n: all(s.verdict == "win" for m, s in sized if m == n) for n in sizes}
@@ -254,6 +254,8 @@ def tune(text, recipe, backend, disabled, tuner, apply, remove):
         decisions = _per_op(state, tuner)
         path = ops.backend_module(backend).DECODE_PATH
         fused = {e.fusion for e in state.report.fused}
+        if "prefill" in fused:
+            decisions.update(_whole_prefill(state.model, disabled, decisions, tuner, apply, remove))
         if path is not None and "fast_decode" in fused:
             decisions.update(_whole_step(state.model, disabled, decisions, fused, path.parts, tuner, apply, remove))
     finally:
@@ -265,17 +267,40 @@ def tune(text, recipe, backend, disabled, tuner, apply, remove):
 
 
 def _per_op(state, tuner):
-    shapes, prefill = {}, []
+    shapes = {}
     for probe in probes(state, tuner.rows, tuner.prefill, tuner.context):
-        shape = Shape(probe.shape, *measure(probe, tuner.timer, tuner.samples))
-        if probe.fusion == "prefill":
-            prefill.append((probe.rows, shape))
-        else:
-            shapes.setdefault(probe.fusion, []).append(shape)
-    out = {fusion: _judge(fusion, s) for fusion, s in shapes.items()}
-    if prefill:
-        out["prefill"] = _judge_prefill(prefill)
-    return out
+        shapes.setdefault(probe.fusion, []).append(Shape(probe.shape, *measure(probe, tuner.timer, tuner.samples)))
+    return {fusion: _judge(fusion, s) for fusion, s in shapes.items()}
+
+
+def _whole_prefill(model, disabled, decisions, tuner, apply, remove):
+    """`prefill`, from whole prompt chunks (each tuning size, a fresh cache, evaluated as mlx-lm's
+    prefill does: the cache, not the logits) of the model with the per-op fusions as tuned, with
+    ("fused") and without ("stock") the backend's prefill path. An op alone would miss what the
+    path keeps alive between calls, and how the calls overlap (H200, Qwen3-0.6B: o_proj alone at
+    2048 rows ties with stock, the whole prompt is 1.7x)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    losers = {f for f, d in decisions.items() if not d.kept}
+    variants = {"fused": disabled | losers, "stock": disabled | losers | {"prefill"}}
+    times = {(name, n): [] for name in variants for n in tuner.prefill}
+    names = list(variants)
+    for r in range(tuner.rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            remove()
+            apply(variants[name])
+            for n in tuner.prefill:
+                prompt = mx.random.randint(0, model.args.vocab_size, (1, n), key=mx.random.key(n))
+
+                def run(prompt=prompt):
+                    cache = make_prompt_cache(model)
+                    model(prompt, cache=cache)
+                    mx.eval([c.state for c in cache])
+                run()   # kernel builds
+                for _ in range(tuner.steps):
+                    times[(name, n)].append(tuner.timer("prefill", name, run))
+    return {"prefill": _judge_prefill([(n, Shape(f"prefill {n}", times[("fused", n)], times[("stock", n)]))
+                                       for n in tuner.prefill])}
 
 
 def _whole_step(model, disabled, decisions, fused, parts, tuner, apply, remove):

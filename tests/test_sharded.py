@@ -143,7 +143,7 @@ def test_cuda_decode_path_refuses_sharded_blocks(backend, monkeypatch):
     sharded.shard(group)
     report = mlx_fastops.patch(sharded)
     unsharded = mlx_fastops.synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16)
-    mlx_fastops.patch(unsharded, disable=["fast_decode", "out_proj"])   # sharded o_proj/down stay mlx-lm's
+    mlx_fastops.patch(unsharded, disable=["fast_decode"])
     try:
         refused = f"tensor-parallel shards of a {group.size()}-rank group (the one-launch layer has no all-reduce)"
         assert [(e.status, e.reason) for e in report.entries if e.fusion in ("fast_decode", "compile")] \

@@ -17,7 +17,7 @@ import mlx_fastops
 from mlx_fastops import kernels, ops, tune_cache
 from mlx_fastops.backends import DecodePath, reference
 from mlx_fastops.cli import main
-from mlx_fastops.tuner import Shape, Tuner, _judge, _judge_prefill
+from mlx_fastops.tuner import Shape, Tuner, _judge, _judge_prefill, _whole_prefill
 
 SMALL = {"rows": (1, 2), "prefill": (8,), "context": 24, "samples": 5, "quiet": True}
 PER_OP = {"qkv", "gate_up", "qk_norm_rope", "residual_norm", "lm_head", "attention"}
@@ -259,6 +259,31 @@ def test_prefill_is_kept_above_the_sizes_it_does_not_win(verdicts, kept, above):
     sized = [(n, Shape(f"{op} prefill {n}", *times[v])) for n, v in verdicts.items() for op in ("qkv", "gate_up")]
     decision = _judge_prefill(sized)
     assert (decision.kept, decision.above) == (kept, above)
+
+
+@pytest.mark.parametrize("ratio, kept, above", [
+    ({16: 0.5, 64: 0.5}, True, None),
+    ({16: 1.0, 64: 0.5}, True, 16),       # a tie at the short chunk: stock up to it
+    ({16: 0.5, 64: 1.0}, False, None),    # no win at mlx-lm's chunk size: off
+])
+def test_prefill_is_judged_by_whole_prompt_chunks(ratio, kept, above):
+    """`prefill` from whole prompt chunks of the model with the backend's prefill path on
+    ("fused": the per-op losers off) and off ("stock": `prefill` off too), each chunk length a
+    fresh cache; here a clock double makes the fused chunks take ratio[length] of stock's time."""
+    m, applied = model(), []
+
+    def clock(fusion, variant, run):
+        run()
+        n = run.__defaults__[0].shape[1]   # the chunk's prompt
+        return 1e-3 * (ratio[n] if variant == "fused" else 1.0)
+
+    tuner = Tuner(timer=clock, steps=4, rounds=2, **{**SMALL, "prefill": (16, 64)})
+    decisions = {"qkv": _judge("qkv", [Shape("s", [1.0] * 5, [2.0] * 5)]),
+                 "lm_head": _judge("lm_head", [Shape("s", [2.0] * 5, [1.0] * 5)])}
+    out = _whole_prefill(m, {"compile"}, decisions, tuner, applied.append, lambda: None)
+    assert (out["prefill"].kept, out["prefill"].above) == (kept, above), out["prefill"]
+    on, off = {"compile", "lm_head"}, {"compile", "lm_head", "prefill"}
+    assert applied == [on, off, off, on]   # rounds alternate which variant goes first
 
 
 @pytest.mark.parametrize("rows, above, runs", [

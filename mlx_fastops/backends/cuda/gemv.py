@@ -212,21 +212,17 @@ def gate_up_silu(x, w):
     return gemv(x.reshape(M, -1), w, epi=2).reshape(*x.shape[:-1], w.splits[0])
 
 
-def _gemv_rows(x, w):
-    M = rows(x)
-    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
-
-
 def linear(x, w):
-    """One projection (o_proj, down_proj) where a block is not one launch."""
-    if rows(x) > MAX_ROWS or x.dtype != w.scales.dtype:
-        return _linear(x, w)
-    return _gemv_rows(x, w)
+    """o_proj / down_proj outside the one-launch layer: prefill-sized calls on the prefill path,
+    the rest stock quantized_matmul (as a single op the GEMV loses to it at 1-4 rows on the H200:
+    0.45-0.8x at decode B=1, benchmarks/results/cuda_tune_*.md)."""
+    return _linear(x, w)
 
 
 def lm_head(x, w):
     # Prefill stays on stock quantized_matmul: the output is the whole vocabulary for every prompt
     # row, and a transient dense weight of the vocabulary is larger than any layer's.
-    if not w.quantized or rows(x) > MAX_ROWS or x.dtype != w.scales.dtype:
+    M = rows(x)
+    if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
         return reference.lm_head(x, w)
-    return _gemv_rows(x, w)
+    return gemv(x.reshape(M, -1), w).reshape(*x.shape[:-1], w.out_features)
