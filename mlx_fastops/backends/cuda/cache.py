@@ -54,6 +54,12 @@ class StaticKVCache(KVCache):
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def to_quantized(self, group_size=64, bits=4):
+        """mlx-lm's conversion to a QuantizedKVCache (generate_step's kv_bits), of the buffers as
+        the fast path's pending in-place writes leave them."""
+        self._ordered()
+        return super().to_quantized(group_size=group_size, bits=bits)
+
     def fast_inputs(self):
         """(keys, values, after) for the fast path's in-place writer; `after` is the last reader
         (the writer's kernel takes it as an input, so it waits for it), else the keys again."""
