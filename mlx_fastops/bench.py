@@ -99,9 +99,10 @@ def _stats(xs):
 def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, tick=None, tick_every=1.0):
     """Time `variants`, a list of (name, model, prepare[, step_args]): prepare() (or None) puts the
     model in that variant's state before each of its generations, step_args (a dict) go to
-    generate_step; the first variant is the baseline of ratios and agreement. progress(text), when given, gets each generation's result; tick(text) where a
-    generation is (its prompt, then the tokens so far, at most every tick_every seconds). Returns
-    the rows: per prompt length, pp and (where gen > 0) tg."""
+    generate_step; the first variant is the baseline of ratios and agreement. progress(text), when
+    given, gets each generation's result; tick(text) where a generation is (its prompt, then the
+    tokens so far, at most every tick_every seconds). Returns the rows: per prompt length, pp and
+    (where gen > 0) tg."""
     if not prompts or min(prompts) < 1 or gen < 0 or trials < 1 or warmup < 0:
         raise ValueError(f"bench needs prompt lengths >= 1, gen >= 0, trials >= 1, warmup >= 0; got "
                          f"{list(prompts)}, {gen}, {trials}, {warmup}")
