@@ -35,10 +35,11 @@ from .config import backend_name
 from .models import quant_label
 
 
-def generation(model, prompt, n, tick=None, every=1.0):
+def generation(model, prompt, n, tick=None, every=1.0, **step_args):
     """One greedy generation of n tokens: (seconds to the first token, seconds for the other n - 1,
     tokens, peak memory in bytes). tick(tokens so far), when given, is called at most every `every`
-    seconds (a clock read per token: well under a microsecond, against a decode step of ~1 ms)."""
+    seconds (a clock read per token: well under a microsecond, against a decode step of ~1 ms).
+    step_args go to generate_step (kv_bits, ...)."""
     mx.synchronize()
     mx.reset_peak_memory()
     gc.collect()
@@ -47,7 +48,7 @@ def generation(model, prompt, n, tick=None, every=1.0):
         tokens = []
         t0 = time.perf_counter()
         next_tick = t0 + every
-        for tok, _ in generate_step(prompt, model, max_tokens=n):
+        for tok, _ in generate_step(prompt, model, max_tokens=n, **step_args):
             tokens.append(int(tok))
             if len(tokens) == 1:
                 t_first = time.perf_counter()
@@ -134,9 +135,9 @@ def _stats(xs):
 
 def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, tick=None, tick_every=1.0,
             batch=None):
-    """Time `variants`, a list of (name, model, prepare): prepare() (or None) puts the model in that
-    variant's state before each of its generations; the first variant is the baseline of ratios and
-    agreement. progress(text), when given, gets each generation's result; tick(text) where a
+    """Time `variants`, a list of (name, model, prepare[, step_args]): prepare() (or None) puts the
+    model in that variant's state before each of its generations, step_args (a dict) go to
+    generate_step; the first variant is the baseline of ratios and agreement. progress(text), when given, gets each generation's result; tick(text) where a
     generation is (its prompt, then the tokens so far, at most every tick_every seconds). batch:
     that many rows at once through mlx-lm's BatchGenerator (batch_generation; rates are of every
     row's tokens), else one sequence through generate_step. Returns the rows: per prompt length, pp
@@ -155,7 +156,7 @@ def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, t
             prompt = mx.random.randint(0, vocab, (n_prompt,), key=mx.random.key(seed + 7919 * n_prompt + r))
             k = r % len(variants)
             stage = "warm-up" if r < warmup else f"trial {r + 1 - warmup}/{trials}"
-            for name, model, prepare in variants[k:] + variants[:k]:
+            for name, model, prepare, *opt in variants[k:] + variants[:k]:
                 if prepare is not None:
                     prepare()
                 where = f"p={n_prompt} {stage} {name}:"
@@ -163,7 +164,8 @@ def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, t
                 if tick:
                     tick(f"{where} prompt of {n_prompt} tokens")
                     tokens_so_far = lambda done, where=where: tick(f"{where} {done}/{gen + 1} tokens")
-                run = generate(model, prompt, gen + 1, tokens_so_far, tick_every)
+                step_args = opt[0] if opt else {}
+                run = generate(model, prompt, gen + 1, tokens_so_far, tick_every, **step_args)
                 if r >= warmup:
                     runs[name].append(run)
                 if progress:
@@ -213,17 +215,29 @@ def _rows(n_prompt, gen, runs, names, batch=None):
     return rows
 
 
+KV_VARIANT = "patched kv{bits}"
+KV_GROUP = 64   # mlx-lm's default kv_group_size
+
+
 def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=(), extra=(), seed=0,
-        progress=True, batch=None):
+        progress=True, batch=None, kv_bits=None):
     """Stock and patched (every fusion but `disable`, untuned) on one model object, unpatch/patch
     between generations (patch reuses the parked fused modules and compiled step). extra: [(name,
     model, disable, tune)], more variants, each a separate copy patched once with its `disable` and
     `tune` (patch settings belong to a model object; a tuned copy's patch report holds the tuner's
-    decisions and how long they took). batch: see compare. Leaves `model` patched. Returns the
+    decisions and how long they took). batch: see compare. kv_bits: also the patched model
+    generating over mlx-lm's QuantizedKVCache (KV_VARIANT: generate_step's kv_bits,
+    quantized_kv_start=0), beside it on the float cache (stock cannot run it everywhere: MLX's CUDA
+    quantized_matmul lacks these shapes); one sequence only. Leaves `model` patched. Returns the
     model's result."""
+    if batch is not None and kv_bits:
+        raise ValueError("bench takes kv_bits for one sequence only, not with batch")
     report = patch(model, disable=disable, tune="off")
     variants = [("stock", model, lambda: unpatch(model)),
                 ("patched", model, lambda: patch(model, disable=disable, tune="off"))]
+    if kv_bits:
+        variants.append((KV_VARIANT.format(bits=kv_bits), model, lambda: patch(model, disable=disable, tune="off"),
+                         {"kv_bits": kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": 0}))
     reports = {"patched": report.to_dict()}
     for name, copy, copy_disable, tune in extra:
         reports[name] = patch(copy, disable=copy_disable, tune=tune).to_dict()
@@ -330,7 +344,10 @@ def to_markdown(doc):
                   "Greedy agreement: generated tokens equal to stock's from the first on (fewest over the trials)."
               + (f" Patched with {disable} left stock." if disable else "")
               + (" tuned: patched with tune, each fusion timed against stock on this device and kept only "
-                 "where it wins (the decisions are below)." if "tuned" in names else ""),
+                 "where it wins (the decisions are below)." if "tuned" in names else "")
+              + (f" {KV_VARIANT.format(bits=settings['kv_bits'])}: the patched model generating with mlx-lm's "
+                 f"kv_bits={settings['kv_bits']} (QuantizedKVCache, group size {KV_GROUP}, quantized_kv_start=0)."
+                 if settings.get("kv_bits") else ""),
               f"{m['backend']} backend, {m['device']}{gpu}; mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, "
               f"mlx_fastops {m['mlx_fastops']}, commit {m['commit'] or '-'} (sources {m['sources']}), {m['date']}; "
               f"{m['platform']}, Python {m['python']}."]

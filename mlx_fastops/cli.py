@@ -56,9 +56,10 @@ def cmd_bench(args):
         if args.tune:   # measured here unless this device's decisions for the model are cached
             extra.append(("tuned", _load(args, source)[0], args.disable, "on"))
         if cpu and not args.quiet:
-            _say_estimate(bench, model, label, prompts, gen, args.warmup + trials, 2 + len(extra))
+            _say_estimate(bench, model, label, prompts, gen, args.warmup + trials,
+                          2 + bool(args.kv_bits) + len(extra))
         result = bench.run(model, label, prompts, gen, trials=trials, warmup=args.warmup, disable=args.disable,
-                           extra=extra, progress=not args.quiet)
+                           extra=extra, progress=not args.quiet, kv_bits=args.kv_bits)
         result["note"] = note
         results.append(result)
         reports.append(f"{label}:\n{_report_of(model)}")
@@ -66,7 +67,7 @@ def cmd_bench(args):
         del model, extra
         mx.clear_cache()
     doc = bench.document(results, prompts=prompts, gen=gen, trials=trials, warmup=args.warmup,
-                         disable=args.disable, variants=args.variant, tune=args.tune)
+                         disable=args.disable, variants=args.variant, tune=args.tune, kv_bits=args.kv_bits)
     notes = [f"Model note ({r['model']}): {r['note']}" for r in results if r["note"]]
     text = "\n\n".join([bench.to_markdown(doc), *notes, *reports])
     print(text)
@@ -300,6 +301,9 @@ def build_parser():
     b.add_argument("--tune", action="store_true",
                    help="also time a copy patched with tune (each fusion timed against stock on this device, "
                         "kept only where it wins; cached decisions where there are) (default: off)")
+    b.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                   help="also time the patched model generating over mlx-lm's quantised KV cache "
+                        "(generate_step's kv_bits, group size 64, from the first token) (default: off)")
     b.add_argument("--json", type=output_file, help="write the results as JSON (default: not written)")
     b.add_argument("--markdown", type=output_file, help="write the table as a Markdown file (default: not written)")
     b.add_argument("--plot", type=output_file, help="write a bar chart of every row, PNG; needs matplotlib "

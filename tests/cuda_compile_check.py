@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_fastops.backends.cuda import attention as A
 from mlx_fastops.backends.cuda import gemv as G
 from mlx_fastops.backends.cuda import layer
+from mlx_fastops.backends.cuda import quantized_kv as QKV
 from mlx_fastops.backends.cuda.source import CTYPE, source
 
 PRE = r"""
@@ -107,6 +108,16 @@ def attn_case(dtype, L, H, HKV, D):
     return wrap(f"attn_d{D}_g{H // HKV}", src, ins, outs), A.ATTN_WARPS * 32
 
 
+def qattn_case(dtype, L, H, HKV, D, bits, gs, causal):
+    T = CTYPE[dtype]
+    defines = {**A.attn_defines(L, H, HKV, D, 0.0883883), "BITS": bits, "GS": gs, "CAUSAL": causal}
+    src = source("quantized_attention.cu", defines, dtype)
+    ins = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T), ("vb", T),
+           ("cnt", "int32_t")]
+    outs = [("o", T), ("pm", "float"), ("po", "float")]
+    return wrap(f"qattn_d{D}_g{H // HKV}_b{bits}", src, ins, outs), A.ATTN_WARPS * 32
+
+
 def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
     """The one-launch decoder layer(s) (layer.layer_build), captured instead of built."""
     from mlx_fastops import kernels
@@ -169,6 +180,12 @@ def cases():
     for D in (64, 128, 256):
         for G in (1, 2, 4, 8):
             yield f"attn D{D} G{G}", attn_case(bf, 1, 8 * G, 8, D)
+    for D in QKV.HEAD_DIMS:
+        for G in (1, 8):
+            for bits in QKV.KV_BITS:
+                yield f"qattn D{D} G{G} b{bits}", qattn_case(bf, 1, 8 * G, 8, D, bits, 64, False)
+    yield "qattn causal L8 f16", qattn_case(f16, 8, 32, 8, 128, 8, 32, True)
+    yield "qattn fp32", qattn_case(mx.float32, 1, 16, 8, 128, 4, 128, False)
 
 
 def main():

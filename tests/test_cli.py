@@ -58,6 +58,26 @@ def test_bench_several_models_and_a_variant(tmp_path):
         assert fused["without gate_up"] == fused["patched"] - {"gate_up"} and "gate_up" in fused["patched"]
 
 
+def test_bench_kv_bits_adds_the_patched_model_over_a_quantised_cache(tmp_path, monkeypatch):
+    """--kv-bits 8: a third column, the patched model with generate_step's kv_bits=8 from the first
+    token (mlx-lm's conversion sees it); stock and patched keep the float cache."""
+    step_module = sys.modules["mlx_lm.generate"]   # (mlx_lm.generate is also a function's name)
+    seen, convert = [], step_module.maybe_quantize_kv_cache
+    def spy(prompt_cache, quantized_kv_start, kv_group_size, kv_bits):
+        seen.append((kv_bits, kv_group_size, quantized_kv_start))
+        return convert(prompt_cache, quantized_kv_start, kv_group_size, kv_bits)
+
+    monkeypatch.setattr(step_module, "maybe_quantize_kv_cache", spy)
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert main(["bench", *TINY, "-p", "8", "-g", "2", "-n", "1", "--warmup", "0", "-q", "--kv-bits", "8",
+                 "--json", str(out), "--markdown", str(md)]) == 0
+    (result,) = json.loads(out.read_text())["models"]
+    assert result["variants"] == ["stock", "patched", "patched kv8"]
+    assert all(r["variants"]["patched kv8"]["median"] > 0 for r in result["rows"])
+    assert (8, 64, 0) in seen and {bits for bits, _, _ in seen} == {None, 8}
+    assert "patched kv8: the patched model generating with mlx-lm's kv_bits=8" in md.read_text()
+
+
 def test_bench_on_a_cpu_takes_the_cpu_plan_and_says_how_long(tmp_path, monkeypatch, capsys):
     """--model named, no GPU: the CPU plan (-p 32 -g 16 -n 3), and a time estimate before the run."""
     monkeypatch.setattr(models, "on_gpu", lambda: False)
@@ -135,6 +155,7 @@ BAD = [
     (["bench", "-p", ","], "argument -p/--prompt-tokens: expected comma-separated integers"),
     (["bench", "-p", "8,x"], "argument -p/--prompt-tokens: expected an integer, got 'x'"),
     (["bench", "--warmup", "-1"], "argument --warmup: must be at least 0"),
+    (["bench", "--kv-bits", "3"], "argument --kv-bits: invalid choice: 3"),
     (["bench", "--variant", "no_such_fusion"], "argument --variant: 'no_such_fusion': unknown fusion name"),
     (["bench", "--variant", ","], "argument --variant: names no fusion"),
     (["bench", "--disable", "qkvv"], "argument --disable: 'qkvv': unknown fusion name"),

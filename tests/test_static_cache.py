@@ -128,3 +128,24 @@ def test_batch_cache_fast_path_bookkeeping():
     assert c.fast_inputs()[3].tolist() == [3, 0, 0, 0]
     c.prepare(right_padding=[1])
     assert not c.takes(1, 3, 8, mx.float32)   # a prompt chunk before finalize: stock's path
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+def test_to_quantized_after_the_fast_path(bits, group):
+    """mlx-lm's kv_bits conversion (maybe_quantize_kv_cache): a QuantizedKVCache holding exactly
+    what KVCache.to_quantized gives for the same rows, after the last reader was finished (the fast
+    path's in-place writes are done), and decoding on from there like mlx-lm's own."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    ours, ref = StaticKVCache(), KVCache()
+    k = mx.random.normal((1, 2, 300, 64)).astype(mx.bfloat16)
+    for c in (ours, ref):
+        c.update_and_fetch(k, k + 1)
+    ours.last_reader = mx.ones((3,))
+    q_ours, q_ref = ours.to_quantized(group_size=group, bits=bits), ref.to_quantized(group_size=group, bits=bits)
+    assert ours.last_reader is None
+    assert type(q_ours) is QuantizedKVCache and (q_ours.offset, q_ours.bits, q_ours.group_size) == (300, bits, group)
+    step = mx.random.normal((1, 2, 1, 64)).astype(mx.bfloat16)
+    for a, b in zip(q_ours.update_and_fetch(step, step), q_ref.update_and_fetch(step, step)):
+        for x, y in zip(a, b):   # (packed, scales, biases) of keys, then of values
+            assert x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y)

@@ -7,8 +7,10 @@ a static shape class falls back to the reference):
                                     call (prefill.py); the rest: stock quantized_matmul
   linear                            o_proj / down_proj: prefill-sized calls as above, the rest stock
   decode_attention                  GQA decode attention over the cache buffers (attention.py)
-Ops without a CUDA kernel (rms_norm_residual, qk_norm_rope, flash_attention, quantized_attention)
-use the reference.
+  quantized_attention               attention over mlx-lm's QuantizedKVCache: decode reads the packed
+                                    4/8-bit cache in place; prompts dequantise it, then MLX's SDPA
+                                    (quantized_kv.py)
+Ops without a CUDA kernel (rms_norm_residual, qk_norm_rope, flash_attention) use the reference.
 
 The whole-model decode path (DECODE_PATH, step.py) runs each decoder block as one launch
 (layer.py, block.py) over a StaticKVCache written in place (cache.py), inside one compiled step.
@@ -29,4 +31,5 @@ from .gemv import (  # noqa: F401
     unsupported_lm_head,
     unsupported_qkv_proj,
 )
+from .quantized_kv import quantized_attention, unsupported_quantized_attention  # noqa: F401
 from .step import DECODE_PATH  # noqa: F401

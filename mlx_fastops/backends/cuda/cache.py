@@ -82,6 +82,12 @@ class StaticKVCache(_WrittenInPlace, KVCache):
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def to_quantized(self, group_size=64, bits=4):
+        """mlx-lm's conversion to a QuantizedKVCache (generate_step's kv_bits), of the buffers as
+        the fast path's pending in-place writes leave them."""
+        self._ordered()
+        return super().to_quantized(group_size=group_size, bits=bits)
+
     @classmethod
     def merge(cls, caches):
         # mlx-lm's BatchGenerator batches the model's caches through this: a batch the fast path takes

@@ -1,0 +1,82 @@
+"""Generation with mlx-lm's quantised KV cache (`kv_bits`) on a model patched for CUDA: through
+mlx_lm.generate.generate_step itself, which converts the cache (maybe_quantize_kv_cache) once it
+holds quantized_kv_start positions; from then on attention is the CUDA quantized_attention op.
+
+Stock mlx-lm cannot run this on a CUDA device (mx.quantized_matmul has no kernel there for these
+shapes at 8 bits), so stock and the float32 oracle (the same quantised model in float32, with a
+cache quantised the same way from its own float32 K/V) run on the CPU; the patched model runs on
+the CUDA backend (the GPU, or the CPU emulator tests/cuda_emu). All three are teacher-forced along
+stock's greedy tokens, and judged by the half-precision standard (mlx_fastops.fidelity.judge).
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+import mlx_fastops
+from mlx_fastops import fidelity, synthetic_model
+from mlx_fastops.backends.cuda import quantized_kv
+
+pytestmark = [pytest.mark.cuda]
+
+PROMPT, GEN = 40, 16
+CASES = [  # kv_bits, kv group size, quantized_kv_start, prefill step, query rows the decode kernel sees
+    # converted after the first 16-token chunk: the prompt's next chunks over the quantised cache
+    # (16 tokens: dequantised + SDPA; the last 7: the kernel's causal rows), then every decode step
+    (8, 64, 0, 16, {1, 7}),
+    (4, 32, PROMPT + 4, 2048, {1}),   # a few fast-path steps on the StaticKVCache first, then converted
+]
+
+
+def generate(model, prompt, bits, group, start, chunk, tokens=None, stream=None):
+    """(tokens, log-probs [GEN, vocab], cache) of generate_step; with `tokens`, teacher-forced
+    along them (the sampler returns them in turn)."""
+    forced = iter([*tokens, 0]) if tokens is not None else None   # generate_step samples once more
+    sampler = None if forced is None else (lambda logprobs: mx.array([next(forced)]))
+    cache = make_prompt_cache(model)
+    steps = generate_step(prompt, model, max_tokens=GEN, sampler=sampler, prompt_cache=cache,
+                          prefill_step_size=chunk, kv_bits=bits, kv_group_size=group, quantized_kv_start=start,
+                          **({"stream": stream} if stream is not None else {}))
+    out, logprobs = zip(*steps)
+    return list(out), mx.stack(logprobs), cache
+
+
+@pytest.mark.parametrize("backend", ["cuda"], indirect=True)
+@pytest.mark.parametrize("bits,group,start,chunk,rows", CASES)
+def test_generate_with_quantized_kv_cache(backend, bits, group, start, chunk, rows, monkeypatch):
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=6)
+    prompt = mx.random.randint(0, model.args.vocab_size, (PROMPT,), key=mx.random.key(6))
+    tokens, stock, stock_cache = generate(model, prompt, bits, group, start, chunk, stream=mx.cpu)
+    oracle = fidelity.fp32_oracle(synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=6))
+    _, exact, oracle_cache = generate(oracle, prompt, bits, group, start, chunk, tokens, stream=mx.cpu)
+
+    decodes = []
+    real_decode = quantized_kv._decode
+    monkeypatch.setattr(quantized_kv, "_decode", lambda *a: decodes.append(a[0].shape[2]) or real_decode(*a))
+    # The emulator runs outside MLX's graph: no mx.compile'd step there (docs/cuda-emulator.md).
+    report = mlx_fastops.patch(model, disable=() if mx.cuda.is_available() else ("compile",))
+    try:
+        assert any(e.fusion == "fast_decode" and e.status == "fused" for e in report.entries), str(report)
+        _, patched, cache = generate(model, prompt, bits, group, start, chunk, tokens)
+    finally:
+        mlx_fastops.unpatch(model)
+
+    assert all(type(c) is QuantizedKVCache and c.bits == bits for c in cache)
+    # every L=1 call after the conversion (generate_step's first is the prompt's last token)
+    assert decodes.count(1) == (PROMPT + GEN - max(PROMPT - 1, start)) * len(cache) and set(decodes) == rows
+    # The converted caches' contents, dequantised: patched no further from the oracle's than stock's
+    # (a row missing from the conversion would be far off).
+    def dequantized(c, i):   # keys (0) or values (1) of a converted cache, float32
+        return mx.dequantize(*(x[..., :c.offset, :] for x in (c.keys, c.values)[i]),
+                             group_size=group, bits=bits).astype(mx.float32)
+
+    for c, s, o in zip(cache, stock_cache, oracle_cache):
+        assert c.offset == s.offset == o.offset == PROMPT + GEN
+        for i in range(2):
+            truth = dequantized(o, i)
+            assert mx.linalg.norm(dequantized(c, i) - truth).item() <= 1.1 * mx.linalg.norm(dequantized(s, i) - truth).item()
+    verdict = fidelity.judge(stock, patched, exact)
+    print(f"kv_bits={bits} group={group} start={start}: stock {verdict['stock']}, patched {verdict['patched']}")
+    assert not verdict["problems"], verdict["problems"]
