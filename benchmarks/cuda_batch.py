@@ -37,10 +37,7 @@ def main():
             results.append(bench.run(model, name, prompts=prompts, gen=a.gen, trials=a.trials, batch=B))
         del model
     doc = bench.document(results, prompts=prompts, gen=a.gen, trials=a.trials, warmup=1, disable="", batches=batches)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    bench.save_json(doc, a.out + ".json")
-    Path(a.out + ".md").write_text(bench.to_markdown(doc))
-    print(bench.to_markdown(doc))
+    print(bench.save(doc, a.out))
 
 
 if __name__ == "__main__":

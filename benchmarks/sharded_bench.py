@@ -58,10 +58,7 @@ def main():
     if lead:
         doc = bench.document(results, prompts=prompts, gen=a.gen, trials=a.trials, warmup=1, disable="",
                              ranks=group.size())
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        bench.save_json(doc, a.out + ".json")
-        Path(a.out + ".md").write_text(bench.to_markdown(doc))
-        print(bench.to_markdown(doc))
+        print(bench.save(doc, a.out))
         for res in results:
             print(res["model"], res["patch"]["patched"])
 

@@ -383,3 +383,12 @@ def plot(doc, path):
 
 def save_json(doc, path):
     Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def save(doc, prefix):
+    """A benchmark script's result: prefix.json and prefix.md (folders made); returns the Markdown."""
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    save_json(doc, f"{prefix}.json")
+    text = to_markdown(doc)
+    Path(f"{prefix}.md").write_text(text)
+    return text

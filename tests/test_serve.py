@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from loopback import free_port, port_is_free
 from mlx_lm.models.cache import QuantizedKVCache
 
 import mlx_fastops
@@ -45,22 +46,6 @@ REQUESTS = [
                                            {"role": "user", "content": "tell me more"}], "max_tokens": 5}, True),
     ("/v1/completions", {"prompt": "x", "max_tokens": 20}, True),
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(port):
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ blocks on its one-launch decode layer (through tests/cuda_emu without a GPU)."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from decoding import greedy, prompt_of
+from loopback import free_ports
 from sharded_worker import CASES, GROUP_SIZE
 
 import mlx_fastops
@@ -37,26 +37,6 @@ LAYERS = 2   # the tiny models' decoder layers
 LAUNCH_TIMEOUT_S = 240
 SHARD_NOTES = {"qkv": "column shards of a 2-rank group; o_proj row-sharded, then mlx-lm's all_sum",
                "gate_up": "column shards of a 2-rank group; down_proj row-sharded, then mlx-lm's all_sum"}
-
-
-def _free_ports(n):
-    """A first port of n consecutive free ones (the ring backend listens on port + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n < 65536 and all(_is_free(port + i) for i in range(n)):
-            return port
-    raise RuntimeError("no free loopback ports")
-
-
-def _is_free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +54,7 @@ def ranks(tmp_path_factory):
                MLX_FASTOPS_BACKEND="reference")
     env.pop("MLX_FASTOPS_DISABLE", None)
     cmd = [launcher, "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(RANKS),
-           "--starting-port", str(_free_ports(RANKS)), sys.executable, str(worker), str(out), str(model_dir)]
+           "--starting-port", str(free_ports(RANKS)), sys.executable, str(worker), str(out), str(model_dir)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     # mlx.launch exits 0 even where a rank failed: a rank's result file is its success.
     missing = [r for r in range(RANKS) if not (out / f"rank{r}.json").exists()]
