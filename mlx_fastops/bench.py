@@ -145,6 +145,8 @@ def compare(variants, prompts, gen, trials=5, warmup=1, seed=0, progress=None, t
     if not prompts or min(prompts) < 1 or gen < 0 or trials < 1 or warmup < 0 or (batch is not None and batch < 1):
         raise ValueError(f"bench needs prompt lengths >= 1, gen >= 0, trials >= 1, warmup >= 0, batch >= 1; got "
                          f"{list(prompts)}, {gen}, {trials}, {warmup}, {batch}")
+    if batch is not None and any(len(v) > 3 for v in variants):
+        raise ValueError("bench's batched generations take no generate_step arguments (kv_bits)")
     generate = generation if batch is None else batch_generation(batch)
     names = [v[0] for v in variants]
     vocab = variants[0][1].args.vocab_size
@@ -338,8 +340,10 @@ def to_markdown(doc):
     disable = settings.get("disable") or m.get("MLX_FASTOPS_DISABLE")
     gpu = f", {m['gpu']}" if m.get("gpu") else ""
     lines += ["", f"ppN: N prompt tokens / time to the first token; tgG @N: the G tokens after the first / "
-                  f"their time, after an N-token prompt; xB: B sequences at once through mlx-lm's BatchGenerator, "
-                  f"the tokens of all of them / the time. Median (min-max) of {settings['trials']} trials after "
+                  f"their time, after an N-token prompt"
+                  + ("; xB: B sequences at once through mlx-lm's BatchGenerator, the tokens of all of them / the "
+                     "time" if settings.get("batches") else "")
+                  + f". Median (min-max) of {settings['trials']} trials after "
                   f"{settings['warmup']} warm-up round(s), variants in rotating order; ratio of medians to stock. "
                   "Greedy agreement: generated tokens equal to stock's from the first on (fewest over the trials)."
               + (f" Patched with {disable} left stock." if disable else "")

@@ -354,14 +354,14 @@ def build_parser():
     t = sub.add_parser("tune", help="time each fusion against stock on this device, print the decisions",
                        description="Patches the model with every fusion on, times each fusion's op against the "
                                    "stock ops it replaces on the model's shapes (interleaved, after warm-up), and "
-                                   "keeps a fusion only where it is faster beyond the spread (CUDA: fast_decode and "
-                                   "compile by whole decode steps). Always measures; the decisions replace this "
+                                   "keeps a fusion only where it is faster beyond the spread (a GPU's prefill path by "
+                                   "whole prompt chunks; CUDA's fast_decode and compile by whole decode steps). Always measures; the decisions replace this "
                                    "device's cached ones, which patch() then uses.")
     _model_args(t)
     t.add_argument("--rows", type=list_at_least(1), default=[1, 4],
                    help="decode batch sizes, comma-separated (default: 1,4)")
     t.add_argument("--prefill", type=list_at_least(1), default=None,
-                   help="prefill chunk lengths, comma-separated (default: 512,2048 on a GPU, 512 without one)")
+                   help="prefill chunk lengths, comma-separated (default: 1024,2048 on a GPU, 512 without one)")
     t.add_argument("--context", type=at_least(1), default=512,
                    help="KV length of decode attention and of the prompt before timed decode steps (default: 512)")
     t.add_argument("--samples", type=at_least(4), default=15,

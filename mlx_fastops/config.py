@@ -76,7 +76,7 @@ def backend_name():
 
 def tune_mode(tune=None):
     """patch()'s `tune` as one of TUNE_MODES: None reads MLX_FASTOPS_TUNE (default auto); True is
-    on, False off. A tuner.Tuner passes through (its own mode). Raises ValueError / TypeError."""
+    on, False off (patch() takes a tuner.Tuner itself, before this). Raises ValueError / TypeError."""
     if tune is None:
         tune = os.environ.get("MLX_FASTOPS_TUNE", "auto").strip().lower() or "auto"
         source = "MLX_FASTOPS_TUNE"

@@ -188,7 +188,7 @@ class FusedAttention(_Fused):
         norm = "_q_norm" in s
         s.update(qkv_weights=qkv_weights, rope_spec=rope, adapters=tuple(adapters), has_qk_norm=norm,
                  decode_fn=ops.get("decode"), prefill_fn=ops.get("prefill"),
-                 quantized_fn=ops.get("quantized"), out_fn=ops.get("out") or s["_o"], qkv_fn=None,
+                 quantized_fn=ops.get("quantized"), out_fn=ops.get("out"), qkv_fn=None,
                  norm_rope_fn=None)
         if "qkv" in ops:
             op = _on_shards(ops["qkv"], qkv_weights)
@@ -234,7 +234,7 @@ class FusedAttention(_Fused):
             o = self.prefill_fn(q, k, v, self.scale, mask)
         else:
             o = stock_sdpa(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return self.out_fn(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return (self.out_fn or self._o)(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class FusedMLP(_Fused):
@@ -245,7 +245,7 @@ class FusedMLP(_Fused):
 
     def settings(self, gate_up_fn=None, weights=None, adapters=(None, None), down_fn=None):
         s = self.aliases()
-        s.update(gate_up_weights=weights, adapters=tuple(adapters), gate_up_fn=None, down_fn=down_fn or s["_down"])
+        s.update(gate_up_weights=weights, adapters=tuple(adapters), gate_up_fn=None, down_fn=down_fn)
         if gate_up_fn is not None:
             op = _on_shards(gate_up_fn, weights)
             s["gate_up_fn"] = (partial(_gate_up_lora, proj=op, w=weights, adapters=tuple(adapters))
@@ -255,7 +255,7 @@ class FusedMLP(_Fused):
     def __call__(self, x):
         w = self.watch
         if (w.fast or w.ready()) and self.gate_up_fn is not None:
-            return self.down_fn(self.gate_up_fn(x))
+            return (self.down_fn or self._down)(self.gate_up_fn(x))
         return self.stock_call(x)
 
 

@@ -185,7 +185,11 @@ class Planner:
         if reason:
             self.skip(where, "prefill", reason)
             return None
-        w = PackedLinear.stack([module])
+        w, _ = PackedLinear.concat([module])   # one layer: its own arrays
+        _, used, why = ops.select("linear", self.backend, **w.info())
+        if used == "reference":
+            self.skip(where, "prefill", why)
+            return None
         return partial(self.select(where, "prefill", "linear", **w.info()), w=w)
 
     def configure(self, module, settings):
@@ -236,6 +240,7 @@ class Planner:
             adapters = (None, None)
         elif any(a is not None for a in adapters):
             # SiLU must follow the deltas: the stacked projection as a plain linear op.
+            # The head's op is a plain projection with the GEMV kernels for decode rows.
             fn = self.select(where, "gate_up", "lm_head", _notes(LORA_NOTE + ", then SiLU",
                                                                  shard_note(w, "down_proj")), **w.info())
         else:

@@ -78,7 +78,7 @@ def instrument(model, prof):
                 op = {"add_norm": "rms_norm_residual", "norm_rope": "qk_norm_rope",
                       "qkv": "qkv_proj", "gate_up": "gate_up_silu", "_fastops_head": "lm_head",
                       "decode": "decode_attention", "prefill": "flash_attention",
-                      "quantized": "quantized_attention",
+                      "quantized": "quantized_attention", "out": "linear", "down": "linear",
                       "fast": "decoder_block (fast path)"}.get(op, op)
                 object.__setattr__(mod, attr, prof.timed(op, value))
                 restore.append((mod, attr, value))

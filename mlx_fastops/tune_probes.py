@@ -17,6 +17,7 @@ and o_proj / down, on a GPU's prefill path) is timed by whole prompt chunks (tun
 since its cost is also in what stays alive between the calls (backends/cuda/prefill.py).
 """
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,8 +39,12 @@ class Probe:
     stock: Callable
 
 
+_KEYS = itertools.count()
+
+
 def _randn(*shape, dtype):
-    return lambda: mx.random.normal(shape).astype(dtype)
+    # Keyed: tuning must not move the user's global random state (sampling after patch()).
+    return lambda: mx.random.normal(shape, key=mx.random.key(next(_KEYS))).astype(dtype)
 
 
 def _inputs(*makers):

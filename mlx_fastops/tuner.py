@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 
 from . import config, kernels, ops, tune_cache
 from .tune_probes import probes
@@ -56,13 +57,15 @@ class Tuner:
     """patch(model, tune=Tuner(...)): when to tune (mode), on which shapes, with which clock.
     rows: decode batch sizes; prefill: prompt chunk lengths; context: the KV length of decode
     attention and the prompt before timed decode steps; samples: timed samples per side and shape;
-    steps: decode steps timed per variant and round of the whole-step switches (rounds of them)."""
+    steps: decode steps (and prompt chunks, per size) timed per variant and round of the
+    whole-path switches (rounds of them)."""
 
     def __init__(self, mode="on", rows=(1, 4), prefill=None, context=512, samples=15, steps=8, rounds=3,
                  timer=wall_clock, quiet=False):
         self.mode = config.tune_mode(mode)
-        if prefill is None:   # mlx-lm's prefill chunk (2048) too, where a GPU makes it cheap
-            prefill = (512, 2048) if mx.metal.is_available() or mx.cuda.is_available() else (512,)
+        if prefill is None:   # where a GPU makes it cheap, chunks the prefill path takes (512 rows or
+            # more on CUDA), up to mlx-lm's prefill chunk (2048)
+            prefill = (1024, 2048) if mx.metal.is_available() or mx.cuda.is_available() else (512,)
         if not rows or not prefill or min(*rows, *prefill, context) < 1 or samples < 4 or steps < 2 or rounds < 1:
             raise ValueError(f"Tuner needs rows, prefill and context >= 1, samples >= 4, steps >= 2, rounds >= 1; "
                              f"got rows={rows}, prefill={prefill}, context={context}, samples={samples}, "
@@ -125,14 +128,14 @@ def _judge(fusion, shapes):
 
 
 def _judge_prefill(sized):
-    """`prefill` from [(rows, Shape)] (at each size, a whole prompt chunk or ops): kept above the
-    largest size where it does not win, if it wins at the largest size; there, what the trend of
-    GEMMs (more rows, more reuse of each dequantised weight) makes likely above it as well."""
-    sizes = sorted({n for n, _ in sized})
-    shapes = [s for _, s in sized]
-    won = {n: all(s.verdict == "win" for m, s in sized if m == n) for n in sizes}
+    """`prefill` from [(rows, Shape)], a whole prompt chunk per size: kept above the largest size
+    where it does not win, if it wins at the largest size; there, what the trend of GEMMs (more
+    rows, more reuse of each dequantised weight) makes likely above it as well."""
+    sized = sorted(sized, key=lambda ns: ns[0])
+    sizes, shapes = [n for n, _ in sized], [s for _, s in sized]
+    won = {n: s.verdict == "win" for n, s in sized}
     if not won[sizes[-1]]:
-        d = _judge("prefill", [s for n, s in sized if n == sizes[-1]])
+        d = _judge("prefill", shapes[-1:])
         return Decision("prefill", False, d.note + f" at {sizes[-1]} rows", shapes)
     short = [n for n in sizes if not won[n]]
     if not short:
@@ -254,10 +257,12 @@ def tune(text, recipe, backend, disabled, tuner, apply, remove):
         decisions = _per_op(state, tuner)
         path = ops.backend_module(backend).DECODE_PATH
         fused = {e.fusion for e in state.report.fused}
+        vocab = state.text.model.embed_tokens.weight.shape[0]   # a VL wrapper's args have no vocab_size
         if "prefill" in fused:
-            decisions.update(_whole_prefill(state.model, disabled, decisions, tuner, apply, remove))
+            decisions.update(_whole_prefill(state.model, vocab, disabled, decisions, tuner, apply, remove))
         if path is not None and "fast_decode" in fused:
-            decisions.update(_whole_step(state.model, disabled, decisions, fused, path.parts, tuner, apply, remove))
+            decisions.update(_whole_step(state.model, vocab, disabled, decisions, fused, path.parts, tuner, apply,
+                                         remove))
     finally:
         remove()
     tuning = Tuning(key["device"], "measured", time.perf_counter() - t0, decisions)
@@ -273,37 +278,45 @@ def _per_op(state, tuner):
     return {fusion: _judge(fusion, s) for fusion, s in shapes.items()}
 
 
-def _whole_prefill(model, disabled, decisions, tuner, apply, remove):
+def _rounds(tuner, variants, apply, remove, sample):
+    """{variant: samples}: `rounds` rounds, each patching the model as every variant in turn
+    (variants {name: disabled}; the first to go rotates) and appending sample(name) to its list."""
+    names, out = list(variants), {name: [] for name in variants}
+    for r in range(tuner.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            remove()
+            apply(variants[name])
+            out[name] += sample(name)
+    return out
+
+
+def _whole_prefill(model, vocab, disabled, decisions, tuner, apply, remove):
     """`prefill`, from whole prompt chunks (each tuning size, a fresh cache, evaluated as mlx-lm's
     prefill does: the cache, not the logits) of the model with the per-op fusions as tuned, with
     ("fused") and without ("stock") the backend's prefill path. An op alone would miss what the
-    path keeps alive between calls, and how the calls overlap (H200, Qwen3-0.6B: o_proj alone at
-    2048 rows ties with stock, the whole prompt is 1.7x)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+    path keeps alive between calls, and how the calls overlap."""
     losers = {f for f, d in decisions.items() if not d.kept}
-    variants = {"fused": disabled | losers, "stock": disabled | losers | {"prefill"}}
-    times = {(name, n): [] for name in variants for n in tuner.prefill}
-    names = list(variants)
-    for r in range(tuner.rounds):
-        for name in names[r % 2:] + names[:r % 2]:
-            remove()
-            apply(variants[name])
-            for n in tuner.prefill:
-                prompt = mx.random.randint(0, model.args.vocab_size, (1, n), key=mx.random.key(n))
+    prompts = {n: mx.random.randint(0, vocab, (1, n), key=mx.random.key(n)) for n in tuner.prefill}
 
-                def run(prompt=prompt):
-                    cache = make_prompt_cache(model)
-                    model(prompt, cache=cache)
-                    mx.eval([c.state for c in cache])
-                run()   # kernel builds
-                for _ in range(tuner.steps):
-                    times[(name, n)].append(tuner.timer("prefill", name, run))
-    return {"prefill": _judge_prefill([(n, Shape(f"prefill {n}", times[("fused", n)], times[("stock", n)]))
+    def sample(name):
+        out = []
+        for n, prompt in prompts.items():
+            def run(prompt=prompt):
+                cache = make_prompt_cache(model)
+                model(prompt, cache=cache)
+                mx.eval([c.state for c in cache])
+            run()   # kernel builds
+            out += [(n, tuner.timer("prefill", name, run)) for _ in range(tuner.steps)]
+        return out
+
+    times = _rounds(tuner, {"fused": disabled | losers, "stock": disabled | losers | {"prefill"}}, apply, remove,
+                    sample)
+    per = lambda name, n: [t for m, t in times[name] if m == n]
+    return {"prefill": _judge_prefill([(n, Shape(f"prefill {n}", per("fused", n), per("stock", n)))
                                        for n in tuner.prefill])}
 
 
-def _whole_step(model, disabled, decisions, fused, parts, tuner, apply, remove):
+def _whole_step(model, vocab, disabled, decisions, fused, parts, tuner, apply, remove):
     """fast_decode and compile, from decode steps of the model patched three ways: the per-op
     path as tuned ("composed"), with fast_decode ("fast"), and with the compiled step too."""
     losers = {f for f, d in decisions.items() if not d.kept}
@@ -311,23 +324,18 @@ def _whole_step(model, disabled, decisions, fused, parts, tuner, apply, remove):
     variants = {"composed": disabled | losers | {"fast_decode", "compile"}, "fast": disabled | others | {"compile"}}
     if "compile" in fused:
         variants["compiled"] = disabled | others
-    times = {name: [] for name in variants}
-    names = list(variants)
-    prompt = mx.random.randint(0, model.args.vocab_size, (1, tuner.context), key=mx.random.key(0))
+    prompt = mx.random.randint(0, vocab, (1, tuner.context), key=mx.random.key(0))
     token = mx.array([[1]])
-    from mlx_lm.models.cache import make_prompt_cache
 
-    for r in range(tuner.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            remove()
-            apply(variants[name])
-            cache = make_prompt_cache(model)
-            mx.eval(model(prompt, cache=cache))
-            for _ in range(2):   # kernel builds, the compiled step's trace
-                mx.eval(model(token, cache=cache))
-            for _ in range(tuner.steps):
-                times[name].append(tuner.timer("fast_decode", name,
-                                               lambda cache=cache: mx.eval(model(token, cache=cache))))
+    def sample(name):
+        cache = make_prompt_cache(model)
+        mx.eval(model(prompt, cache=cache))
+        for _ in range(2):   # kernel builds, the compiled step's trace
+            mx.eval(model(token, cache=cache))
+        return [tuner.timer("fast_decode", name, lambda: mx.eval(model(token, cache=cache)))
+                for _ in range(tuner.steps)]
+
+    times = _rounds(tuner, variants, apply, remove, sample)
     label = f"decode step B=1 @{tuner.context}"
     best = "compiled" if "compiled" in times and statistics.median(times["compiled"]) < statistics.median(times["fast"]) \
         else "fast"

@@ -223,6 +223,7 @@ LINEAR = [  # K, N, bits, group, dtype, x [B, L], bias: o_proj / down_proj shape
     (1152, 129, 4, 128, F16, (2, 3), False),
     (384, 64, 8, 64, BF16, (1, 8), False),
     (256, 72, 4, 64, F16, (1, 13), False),        # more rows than the decode kernels take
+    (320, 136, 4, 32, BF16, (1, 600), True),      # CUDA's prefill path (dense matmul, no kernel of ours)
 ]
 
 

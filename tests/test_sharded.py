@@ -115,7 +115,8 @@ def test_cuda_decode_path_refuses_sharded_blocks(backend, monkeypatch):
     each shard is its whole layer): the fused ops run on the shards, composed between mlx-lm's
     all_sums, and the one-launch layer refuses every sharded block, named in the report (so no
     compiled step either). The decode equals the unsharded model's through the same composed ops,
-    bit for bit."""
+    bit for bit (the 8-token prompt keeps the unsharded model's o_proj/down, like the sharded ones,
+    on stock quantized_matmul: the prefill path starts at 512 rows)."""
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
     group = mx.distributed.init()

@@ -256,7 +256,7 @@ def test_bench_tune_adds_a_tuned_column(tmp_path):
 ])
 def test_prefill_is_kept_above_the_sizes_it_does_not_win(verdicts, kept, above):
     times = {"win": ([1.0] * 5, [2.0] * 5), "tie": ([1.0] * 5, [1.0] * 5), "loss": ([2.0] * 5, [1.0] * 5)}
-    sized = [(n, Shape(f"{op} prefill {n}", *times[v])) for n, v in verdicts.items() for op in ("qkv", "gate_up")]
+    sized = [(n, Shape(f"prefill {n}", *times[v])) for n, v in verdicts.items()]
     decision = _judge_prefill(sized)
     assert (decision.kept, decision.above) == (kept, above)
 
@@ -280,7 +280,7 @@ def test_prefill_is_judged_by_whole_prompt_chunks(ratio, kept, above):
     tuner = Tuner(timer=clock, steps=4, rounds=2, **{**SMALL, "prefill": (16, 64)})
     decisions = {"qkv": _judge("qkv", [Shape("s", [1.0] * 5, [2.0] * 5)]),
                  "lm_head": _judge("lm_head", [Shape("s", [2.0] * 5, [1.0] * 5)])}
-    out = _whole_prefill(m, {"compile"}, decisions, tuner, applied.append, lambda: None)
+    out = _whole_prefill(m, m.args.vocab_size, {"compile"}, decisions, tuner, applied.append, lambda: None)
     assert (out["prefill"].kept, out["prefill"].above) == (kept, above), out["prefill"]
     on, off = {"compile", "lm_head"}, {"compile", "lm_head", "prefill"}
     assert applied == [on, off, off, on]   # rounds alternate which variant goes first
@@ -343,3 +343,28 @@ def test_whole_step_switches_and_the_parts_they_keep_on(monkeypatch, steps, kept
         assert d["residual_norm"].note.startswith("kept: part of fast_decode")
     fused = {e.fusion for e in report.fused}
     assert ("fast_decode" in fused) is ("fast_decode" in kept) and ("compile" in fused) is ("compile" in kept)
+
+
+def test_a_vision_language_wrapper_tunes(monkeypatch):
+    """A VL wrapper (its args have text_config, no vocab_size) is tuned through its text model,
+    whole decode steps included (the stub DecodePath)."""
+    from mlx_lm.models import qwen3_vl
+
+    from mlx_fastops.synthetic import CONFIGS
+
+    monkeypatch.setattr(reference, "DECODE_PATH", StubDecodePath())
+    vl = qwen3_vl.Model(qwen3_vl.ModelArgs.from_dict({"model_type": "qwen3_vl", "text_config": dict(CONFIGS["qwen3-tiny"])}))
+    clock = StepClock({}, {"composed": 1.0, "fast": 0.5, "compiled": 0.4})
+    report = mlx_fastops.patch(vl, tune=Tuner(timer=clock, steps=3, rounds=2, **SMALL))
+    assert report.tuning.decisions["fast_decode"].kept and mlx_fastops.is_patched(vl)
+    mlx_fastops.unpatch(vl)
+
+
+def test_tuning_leaves_the_global_random_state_alone():
+    """Sampling after patch() does not depend on whether the tuner measured (its inputs are keyed)."""
+    m = model()
+    mx.random.seed(3)
+    want = mx.random.uniform(shape=(4,))
+    mx.random.seed(3)
+    mlx_fastops.patch(m, tune=Tuner(timer=ScriptedClock(), **SMALL))
+    assert mx.array_equal(mx.random.uniform(shape=(4,)), want)

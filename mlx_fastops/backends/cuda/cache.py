@@ -82,6 +82,17 @@ class StaticKVCache(_WrittenInPlace, KVCache):
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    @property
+    def state(self):
+        # save_prompt_cache and mlx-lm's prefill read it: after the fast path's pending writes
+        self._ordered()
+        return KVCache.state.fget(self)
+
+    @state.setter
+    def state(self, v):
+        self._ordered()
+        KVCache.state.fset(self, v)
+
     def to_quantized(self, group_size=64, bits=4):
         """mlx-lm's conversion to a QuantizedKVCache (generate_step's kv_bits), of the buffers as
         the fast path's pending in-place writes leave them."""
