@@ -47,7 +47,7 @@ class Backend:
         return make
 
 
-def _cuda_factory():
+def cuda_factory():
     """(factory, on a GPU): mx.fast.cuda_kernel where MLX sees a CUDA device, else tests/cuda_emu."""
     if mx.cuda.is_available():
         return mx.fast.cuda_kernel, True
@@ -75,6 +75,6 @@ def backend(request):
         with kernels.use_metal_factory(b.counting(factory, poison=where == "metal")):
             yield b
     else:
-        factory, gpu = _cuda_factory()
+        factory, gpu = cuda_factory()
         with kernels.use_cuda_factory(b.counting(factory, poison=gpu)):
             yield b

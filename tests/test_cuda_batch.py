@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mlx_fastops
-from conftest import _cuda_factory as cuda_factory
+from conftest import cuda_factory
 from decoding import batch_generator_run
 from mlx_fastops import fidelity, kernels, synthetic_model
 from mlx_fastops.backends.cuda import step as cuda_step
