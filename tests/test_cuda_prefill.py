@@ -129,3 +129,43 @@ def test_prefill_switch(disable, dense, monkeypatch):
     projections = {(e.where.rsplit(".", 1)[1], e.status) for e in report.entries if e.fusion == "prefill"}
     assert projections == {("o_proj", "fused" if dense else "skipped"), ("down_proj", "fused" if dense else "skipped")}
     assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() <= 0.1 * np.abs(np.asarray(ref.astype(mx.float32))).max()
+
+
+# (batch, prompt chunks): one-shot, mlx-lm's chunked prefill into one cache, several prompts at once
+WHOLE_MODEL = [(1, (1030,)), (1, (520, 515)), (3, (530,)), (2, (512, 600))]
+
+
+@pytest.mark.parametrize("B,chunks", WHOLE_MODEL, ids=[f"B{b}-{'+'.join(map(str, c))}" for b, c in WHOLE_MODEL])
+def test_prefill_path_in_a_whole_model(B, chunks, monkeypatch):
+    """A prompt through a patched model, one-shot or in chunks into the same cache (each chunk a
+    call of 512 rows or more), one or several prompts at once: every chunk's projections take the
+    dense path (4 calls a layer), and the logits equal stock's up to float32 summation order
+    (float32 activations, so the dense and the quantised matmul differ only in that order)."""
+    import cuda_emu
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx_fastops
+    from mlx_fastops import kernels, synthetic_model
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    calls, dense_linear = [], prefill.linear
+    monkeypatch.setattr(prefill, "linear", lambda x, w: calls.append(x.shape[:-1]) or dense_linear(x, w))
+    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.float32)
+    prompt = mx.random.randint(0, 4096, (B, sum(chunks)), key=mx.random.key(B))
+
+    def run():
+        cache, out, start = make_prompt_cache(model), [], 0
+        for n in chunks:
+            out.append(model(prompt[:, start:start + n], cache=cache))
+            start += n
+        return np.asarray(mx.concatenate(out, axis=1))
+
+    want = run()
+    with kernels.use_cuda_factory(cuda_emu.cuda_kernel):
+        mlx_fastops.patch(model, disable=("compile",))
+        try:
+            got = run()
+        finally:
+            mlx_fastops.unpatch(model)
+    assert calls == [(B, n) for n in chunks for _ in range(4 * len(model.layers))], calls
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
