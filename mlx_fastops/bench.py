@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,16 +36,26 @@ from .config import backend_name
 from .models import quant_label
 
 
-def generation(model, prompt, n, tick=None, every=1.0, **step_args):
-    """One greedy generation of n tokens: (seconds to the first token, seconds for the other n - 1,
-    tokens, peak memory in bytes). tick(tokens so far), when given, is called at most every `every`
-    seconds (a clock read per token: well under a microsecond, against a decode step of ~1 ms).
-    step_args go to generate_step (kv_bits, ...)."""
+@contextmanager
+def _measuring():
+    """Around a timed generation: the device idle and peak memory reset before it, Python's
+    garbage collector paused during it."""
     mx.synchronize()
     mx.reset_peak_memory()
     gc.collect()
     gc.disable()
     try:
+        yield
+    finally:
+        gc.enable()
+
+
+def generation(model, prompt, n, tick=None, every=1.0, **step_args):
+    """One greedy generation of n tokens: (seconds to the first token, seconds for the other n - 1,
+    tokens, peak memory in bytes). tick(tokens so far), when given, is called at most every `every`
+    seconds (a clock read per token: well under a microsecond, against a decode step of ~1 ms).
+    step_args go to generate_step (kv_bits, ...)."""
+    with _measuring():
         tokens = []
         t0 = time.perf_counter()
         next_tick = t0 + every
@@ -56,8 +67,6 @@ def generation(model, prompt, n, tick=None, every=1.0, **step_args):
                 tick(len(tokens))
                 next_tick = now + every
         t_end = time.perf_counter()
-    finally:
-        gc.enable()
     return t_first - t0, t_end - t_first, tokens, mx.get_peak_memory()
 
 
@@ -71,11 +80,7 @@ def batch_generation(rows):
         from mlx_lm.generate import BatchGenerator
 
         prompts = [mx.roll(prompt, i).tolist() for i in range(rows)]
-        mx.synchronize()
-        mx.reset_peak_memory()
-        gc.collect()
-        gc.disable()
-        try:
+        with _measuring():
             gen = BatchGenerator(model, max_tokens=n, completion_batch_size=rows, prefill_batch_size=rows)
             t0 = time.perf_counter()
             uids = gen.insert(prompts)
@@ -91,8 +96,6 @@ def batch_generation(rows):
                     next_tick = now + every
             t_end = time.perf_counter()
             gen.close()
-        finally:
-            gc.enable()
         return t_first - t0, t_end - t_first, tokens[uids[0]], mx.get_peak_memory()
 
     return run

@@ -185,9 +185,12 @@ def unsupported_gate_up_silu(**info):
     return _unsupported_linear(**info) or ("bias on gate/up" if info.get("bias") else None)
 
 
-def _linear(x, w):
-    """x @ W^T for rows the GEMV does not take: prefill-sized calls through dense matmuls on
-    dequantised weights (prefill.py), the few rows between through stock quantized_matmul."""
+def linear(x, w):
+    """x @ W^T for rows the GEMV does not take, and o_proj / down_proj outside the one-launch
+    layer at any row count: prefill-sized calls through dense matmuls on dequantised weights
+    (prefill.py), the rest stock quantized_matmul (as a single op the GEMV lost to it on the H200:
+    0.45-0.8x at decode B=1 for Qwen3-0.6B/4B's o_proj and down, timed by the tuner's probes on
+    2026-12-01)."""
     if rows(x) >= PREFILL_MIN_ROWS and x.dtype == w.scales.dtype:
         return prefill.linear(x, w)
     return reference.linear(x, w)
@@ -197,7 +200,7 @@ def qkv_proj(x, w):
     M = rows(x)
     nq, nk, nv = w.splits
     if M > MAX_ROWS or x.dtype != w.scales.dtype:
-        return tuple(mx.split(_linear(x, w), [nq, nq + nk], axis=-1))
+        return tuple(mx.split(linear(x, w), [nq, nq + nk], axis=-1))
     y = gemv(x.reshape(M, -1), w)
     lead = x.shape[:-1]
     return (y[:, :nq].reshape(*lead, nq), y[:, nq:nq + nk].reshape(*lead, nk),
@@ -207,16 +210,9 @@ def qkv_proj(x, w):
 def gate_up_silu(x, w):
     M = rows(x)
     if M > MAX_ROWS or x.dtype != w.scales.dtype:
-        gate, up = mx.split(_linear(x, w), 2, axis=-1)
+        gate, up = mx.split(linear(x, w), 2, axis=-1)
         return swiglu(gate, up)
     return gemv(x.reshape(M, -1), w, epi=2).reshape(*x.shape[:-1], w.splits[0])
-
-
-def linear(x, w):
-    """o_proj / down_proj outside the one-launch layer: prefill-sized calls on the prefill path,
-    the rest stock quantized_matmul (as a single op the GEMV lost to it on the H200: 0.45-0.8x at
-    decode B=1 for Qwen3-0.6B/4B's o_proj and down, timed by the tuner's probes on 2026-12-01)."""
-    return _linear(x, w)
 
 
 def lm_head(x, w):
