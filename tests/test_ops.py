@@ -164,6 +164,8 @@ QKV = [  # K, (Nq, Nk, Nv), bits, group, dtype, x [B, L], bias
     (256, (64, 16, 16), 8, 128, BF16, (1, 7), False),
     (320, (96, 32, 32), 4, 64, F32, (1, 2), False),         # float32 activations
     (320, (96, 32, 32), 4, 64, F16, (1, 9), False),         # more rows than the decode kernels take
+    (512, (129, 33, 33), 4, 32, BF16, (3, 11), True),       # CUDA: tensor cores (9-511 rows)
+    (256, (64, 16, 16), 8, 128, F16, (1, 100), False),      # CUDA: two 64-token tiles
 ]
 
 
@@ -184,7 +186,8 @@ GATE_UP = [  # K, intermediate, bits, group, dtype, x [B, L], bias
     (512, 66, 8, 64, BF16, (8, 1), False),
     (256, 129, 8, 128, F16, (1, 3), True),
     (320, 64, 4, 64, F32, (1, 2), False),
-    (256, 40, 8, 64, BF16, (2, 8), False),         # 16 rows (prefill)
+    (256, 40, 8, 64, BF16, (2, 8), False),         # 16 rows (CUDA: tensor cores)
+    (384, 37, 4, 128, F16, (1, 70), False),        # CUDA: two token tiles, the second of 6 rows
     (128, 4097, 4, 32, F16, (1, 1), False),        # CUDA: 2 rows a warp from 4096 outputs
 ]
 
@@ -222,7 +225,9 @@ LINEAR = [  # K, N, bits, group, dtype, x [B, L], bias: o_proj / down_proj shape
     (320, 136, 4, 32, BF16, (1, 1), True),
     (1152, 129, 4, 128, F16, (2, 3), False),
     (384, 64, 8, 64, BF16, (1, 8), False),
-    (256, 72, 4, 64, F16, (1, 13), False),        # more rows than the decode kernels take
+    (256, 72, 4, 64, F16, (1, 13), False),        # more rows than the decode kernels take (CUDA: tensor cores)
+    (640, 136, 8, 32, BF16, (5, 9), True),        # CUDA: tensor cores, 8-bit, bias
+    (320, 72, 4, 64, F16, (1, 20), False),        # CUDA: K not in 128-chunks, stock quantized_matmul
     (320, 136, 4, 32, BF16, (1, 600), True),      # CUDA's prefill path (dense matmul, no kernel of ours)
 ]
 

@@ -1,0 +1,165 @@
+// Quantised matmul on tensor cores for 9 to a few hundred activation rows (batched decode,
+// speculative verification, short prompts): mma.sync m16n8k16, weights dequantised in registers.
+//
+//   y[m, n] = sum_k x[m, k] * w(n, k),   w(n, k) = T(s[n, k / GS] * q(n, k) + b[n, k / GS])
+//
+// The weight is the mma's A operand (16 output rows x 16 k), x^T its B operand (16 k x 8 tokens),
+// so a 16-row weight fragment, dequantised once, serves every 8-token tile of the block: the
+// dequantisation does not grow with the row count. The order of k inside an mma is free as long
+// as A and B agree, so each lane loads one 16-byte word run per weight row per chunk (4 lanes
+// cover a row's 64 contiguous bytes: KC = 128 4-bit / 64 8-bit k) and feeds k-slots {2c, 2c+1,
+// 2c+8, 2c+9} of step j from its own k = c*EPT + 4j .. 4j+3; its x fragment is the same four k of
+// its token (one 8-byte load). A lane's EPT k lie inside one quantisation group (GS >= 32).
+//
+// A block is NW warps on the same 32 weight rows (EPI 2: 16 gate rows and the 16 matching up
+// rows), splitting the K chunks between them (warp w takes chunks w, w + NW, ...), and 8*MT
+// tokens (blockIdx.y picks the token tile); the warps' fp32 partials are added in shared memory.
+// The next chunk's weights, scales and biases are loaded before the current chunk is used.
+// Rows past N and tokens past M are clamped for loads and never stored.
+//
+// Epilogues (EPI), the stock rounding points:
+//   0 plain    y[m, n] = T(acc)                 (+ bias: T(T(acc) + bias[n]))
+//   2 swiglu   y[m, j] = T(T(T(g) * T(sigmoid(g))) * T(acc_up)), g = T(acc_gate), gate row j, up row j + N/2
+//
+// Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS.
+// Inputs: x [M, K] (K a multiple of KC), w [N, K*BITS/32] uint32, sc / bi [N, K/GS], [bias [N]].
+// Output: y [M, N] (EPI 2: [M, N/2]).
+
+  constexpr int EPT = BITS == 4 ? 32 : 16;   // k per lane per chunk: one uint4 per weight row
+  constexpr int KC = 4 * EPT;
+  constexpr int FB = EPI == 2 ? 16 : 32;     // output rows per block
+  const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+  const int NOUT = EPI == 2 ? N / 2 : N;
+  const int KW = K * BITS / 32, KG = K / GS, nchunk = K / KC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int m0 = blockIdx.y * 8 * MT;
+
+  auto mma = [](float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#ifdef __CUDA_ARCH__
+#if MMA_BF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+#else
+    ::cuemu::mma_m16n8k16<T>(d, a, b);
+#endif
+  };
+  // Two consecutive weights of a row, dequantised and packed as the mma's two T halves.
+  auto pair = [](unsigned word, int shift, float s, float b) {
+    constexpr unsigned MASK = (1u << BITS) - 1;
+    const T lo = static_cast<T>(fmaf(s, static_cast<float>((word >> shift) & MASK), b));
+    const T hi = static_cast<T>(fmaf(s, static_cast<float>((word >> (shift + BITS)) & MASK), b));
+    return static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&lo)) |
+           (static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&hi)) << 16);
+  };
+
+  // This lane's weight rows: tile r (0, 1), half h (rows g, g + 8 of the tile).
+  int wrow[2][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int local = g + 8 * h;
+      wrow[r][h] = EPI == 2 ? min(blockIdx.x * 16 + local, NOUT - 1) + r * NOUT
+                            : min(blockIdx.x * 32 + r * 16 + local, N - 1);
+    }
+  const T* xrow[MT];
+#pragma unroll
+  for (int t = 0; t < MT; ++t) xrow[t] = x + (size_t)min(m0 + t * 8 + g, M - 1) * K + c * EPT;
+
+  unsigned q[2][2][4], nq[2][2][4];
+  float s[2][2], b[2][2], ns[2][2], nb[2][2];
+  auto load = [&](int ch, unsigned (&dq)[2][2][4], float (&ds)[2][2], float (&db)[2][2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(w + (size_t)wrow[r][h] * KW) + ch * 4 + c);
+        dq[r][h][0] = v.x; dq[r][h][1] = v.y; dq[r][h][2] = v.z; dq[r][h][3] = v.w;
+        const size_t gi = (size_t)wrow[r][h] * KG + (ch * KC + c * EPT) / GS;
+        ds[r][h] = static_cast<float>(sc[gi]);
+        db[r][h] = static_cast<float>(bi[gi]);
+      }
+  };
+
+  float acc[2][MT][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][t][e] = 0.0f;
+
+  if (warp < nchunk) load(warp, q, s, b);
+  for (int ch = warp; ch < nchunk; ch += NW) {
+    if (ch + NW < nchunk) load(ch + NW, nq, ns, nb);
+#pragma unroll
+    for (int j = 0; j < EPT / 4; ++j) {
+      // Step j: k = c*EPT + 4j .. 4j+3 of the chunk, in word j/2 (4-bit) or j (8-bit).
+      const int wi = BITS == 4 ? j >> 1 : j, sh = BITS == 4 ? (j & 1) * 16 : 0;
+      unsigned a[2][4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        a[r][0] = pair(q[r][0][wi], sh, s[r][0], b[r][0]);
+        a[r][1] = pair(q[r][1][wi], sh, s[r][1], b[r][1]);
+        a[r][2] = pair(q[r][0][wi], sh + 2 * BITS, s[r][0], b[r][0]);
+        a[r][3] = pair(q[r][1][wi], sh + 2 * BITS, s[r][1], b[r][1]);
+      }
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const uint2 xv = __ldg(reinterpret_cast<const uint2*>(xrow[t] + ch * KC + 4 * j));
+        const unsigned bf[2] = {xv.x, xv.y};
+        mma(acc[0][t], a[0], bf);
+        mma(acc[1][t], a[1], bf);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        s[r][h] = ns[r][h];
+        b[r][h] = nb[r][h];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[r][h][i] = nq[r][h][i];
+      }
+  }
+
+  // The warps' partials: red[warp][row of the block][token of the tile].
+  __shared__ float red[NW][32][8 * MT];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[warp][r * 16 + g + 8 * (e >> 1)][t * 8 + 2 * c + (e & 1)] = acc[r][t][e];
+  __syncthreads();
+  for (int o = threadIdx.x; o < FB * 8 * MT; o += NW * 32) {
+    const int fl = o % FB, tl = o / FB, m = m0 + tl;
+    float v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) v += red[i][fl][tl];
+#if EPI == 2
+    const int n = blockIdx.x * 16 + fl;
+    if (m >= M || n >= NOUT) continue;
+    float up = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) up += red[i][16 + fl][tl];
+    const float gt = static_cast<float>(static_cast<T>(v));
+    const float sg = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gt))));
+    const float act = static_cast<float>(static_cast<T>(gt * sg));
+    y[(size_t)m * NOUT + n] = static_cast<T>(act * static_cast<float>(static_cast<T>(up)));
+#else
+    const int n = blockIdx.x * 32 + fl;
+    if (m >= M || n >= N) continue;
+    T out = static_cast<T>(v);
+#if HAS_BIAS
+    out = static_cast<T>(static_cast<float>(out) + static_cast<float>(bias[n]));
+#endif
+    y[(size_t)m * N + n] = out;
+#endif
+  }

@@ -1,0 +1,66 @@
+"""Quantised matmul on tensor cores (cuda/qmm.cu) for the rows between the decode GEMVs and the
+prefill path: more than MAX_ROWS and fewer than PREFILL_MIN_ROWS (batched decode of 9+ sequences,
+speculative verification, short prompts and prompt tails).
+
+    y = x @ (s * q + b)^T  (+ bias)          EPI 2: swiglu(gate rows, up rows)
+
+MLX's quantized_matmul is at 15-100 TFLOP/s on these row counts on the H200, dequantise + dense
+matmul lower still (benchmarks/results/cuda_prefill.md); here one weight read serves every token
+of the block, dequantised once per 16 rows in registers.
+"""
+
+import mlx.core as mx
+
+from ...kernels import cached_builder, cuda_kernel
+from .source import HALF, kernel_name, rows, source
+
+TOKENS_MAX = 64     # tokens per block: 8 mma tiles of 8 (more rows: more blocks along y)
+SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
+WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
+
+
+def chunk_k(bits):
+    """KC of qmm.cu: the k a chunk covers (4 lanes x one 16-byte word each)."""
+    return 4 * (32 if bits == 4 else 16)
+
+
+def takes(x, w):
+    """Whether the kernel takes x @ w: 4/8-bit weights, half activations in the scales' dtype, K
+    in whole chunks (Qwen3, Llama and Qwen2 hidden and intermediate sizes are)."""
+    return (w.quantized and w.bits in (4, 8) and w.group_size in (32, 64, 128) and x.dtype in HALF
+            and x.dtype == w.scales.dtype and x.shape[-1] % chunk_k(w.bits) == 0)
+
+
+def qmm_config(M, K, NOUT, bits, epi):
+    """(MT, NW, blocks along x, blocks along y)."""
+    MT = min(TOKENS_MAX, -(-M // 8) * 8) // 8
+    by = -(-M // (8 * MT))
+    bx = -(-NOUT // (16 if epi == 2 else 32))
+    nchunk = K // chunk_k(bits)
+    NW = 1
+    while NW * 2 <= min(nchunk, 8) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS and bx * by * NW < WARPS_MIN:
+        NW *= 2
+    return MT, NW, bx, by
+
+
+@cached_builder
+def _qmm_build(dtype, bits, gs, MT, NW, epi, bias):
+    d = dict(BITS=bits, GS=gs, MT=MT, NW=NW, EPI=epi, HAS_BIAS=bias, MMA_BF16=dtype == mx.bfloat16)
+    src = source("qmm.cu", d, dtype)
+    names = ["x", "w", "sc", "bi"] + (["bias"] if bias else [])
+    return cuda_kernel(name=kernel_name("qmm", src), input_names=names, output_names=["y"], source=src,
+                       ensure_row_contiguous=True)
+
+
+def qmm(x, w, epi=0):
+    """x [..., K] @ W^T (+ bias) (epi 0), or swiglu of the stacked gate/up rows (epi 2), for a
+    quantised PackedLinear that `takes` x."""
+    M, K, N = rows(x), x.shape[-1], w.weight.shape[0]
+    nout = N // 2 if epi == 2 else N
+    bias = epi == 0 and w.bias is not None
+    MT, NW, bx, by = qmm_config(M, K, nout, w.bits, epi)
+    kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, epi, bias)
+    inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
+    y = kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[x.dtype],
+             grid=(bx * NW * 32, by, 1), threadgroup=(NW * 32, 1, 1))[0]
+    return y.reshape(*x.shape[:-1], nout)
