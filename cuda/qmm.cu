@@ -49,11 +49,50 @@
     ::cuemu::mma_m16n8k16<T>(d, a, b);
 #endif
   };
-  // Two consecutive weights of a row, dequantised and packed as the mma's two T halves.
-  auto pair = [](unsigned word, int shift, float s, float b) {
-    constexpr unsigned MASK = (1u << BITS) - 1;
-    const T lo = static_cast<T>(fmaf(s, static_cast<float>((word >> shift) & MASK), b));
-    const T hi = static_cast<T>(fmaf(s, static_cast<float>((word >> (shift + BITS)) & MASK), b));
+  // Weights to the mma's T pairs. 4-bit: one mask-and-or puts nibbles i and i + 4 of a word under
+  // the exponent of OFF (128 bf16 / 1024 f16: OFF + q exactly), then two packed FMAs make
+  // T(s * q + b) (the first subtracts OFF exactly): 1 instruction per weight plus the shifts. So a
+  // register pairs k and k + 4, and x's pairs are permuted to match (__byte_perm). 8-bit: floats.
+#if MMA_BF16
+  constexpr unsigned MAGIC = 0x43004300u, ONE2 = 0x3F803F80u, NEG_OFF2 = 0xC300C300u;
+#else
+  constexpr unsigned MAGIC = 0x64006400u, ONE2 = 0x3C003C00u, NEG_OFF2 = 0xE400E400u;
+#endif
+  auto fma2 = [](unsigned a, unsigned b, unsigned c) {
+#ifdef __CUDA_ARCH__
+    unsigned d;
+#if MMA_BF16
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+    return d;
+#else
+    unsigned d = 0;
+    for (int i = 0; i < 2; ++i) {
+      T ta, tb, tc;
+      const unsigned short ba = a >> (16 * i), bb = b >> (16 * i), bc = c >> (16 * i);
+      memcpy(&ta, &ba, 2); memcpy(&tb, &bb, 2); memcpy(&tc, &bc, 2);
+      const T r = static_cast<T>(fmaf(static_cast<float>(ta), static_cast<float>(tb), static_cast<float>(tc)));
+      unsigned short br;
+      memcpy(&br, &r, 2);
+      d |= static_cast<unsigned>(br) << (16 * i);
+    }
+    return d;
+#endif
+  };
+  auto bits2 = [](T v) {   // (v, v) as one register
+    const unsigned u = *reinterpret_cast<const unsigned short*>(&v);
+    return u | (u << 16);
+  };
+  auto nibbles = [&](unsigned word, int i, unsigned s2, unsigned b2) {   // T(s q + b) of nibbles i, i + 4
+    return fma2(fma2(((word >> (4 * i)) & 0x000F000Fu) | MAGIC, ONE2, NEG_OFF2), s2, b2);
+  };
+  auto bytes = [](unsigned word, int i, unsigned s2, unsigned b2) {       // bytes i, i + 1
+    const float s = static_cast<float>(*reinterpret_cast<const T*>(&s2));
+    const float b = static_cast<float>(*reinterpret_cast<const T*>(&b2));
+    const T lo = static_cast<T>(fmaf(s, static_cast<float>((word >> (8 * i)) & 255u), b));
+    const T hi = static_cast<T>(fmaf(s, static_cast<float>((word >> (8 * i + 8)) & 255u), b));
     return static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&lo)) |
            (static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&hi)) << 16);
   };
@@ -72,9 +111,8 @@
 #pragma unroll
   for (int t = 0; t < MT; ++t) xrow[t] = x + (size_t)min(m0 + t * 8 + g, M - 1) * K + c * EPT;
 
-  unsigned q[2][2][4], nq[2][2][4];
-  float s[2][2], b[2][2], ns[2][2], nb[2][2];
-  auto load = [&](int ch, unsigned (&dq)[2][2][4], float (&ds)[2][2], float (&db)[2][2]) {
+  unsigned q[2][2][4], nq[2][2][4], s2[2][2], b2[2][2], ns2[2][2], nb2[2][2];
+  auto load = [&](int ch, unsigned (&dq)[2][2][4], unsigned (&ds)[2][2], unsigned (&db)[2][2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -82,8 +120,8 @@
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(w + (size_t)wrow[r][h] * KW) + ch * 4 + c);
         dq[r][h][0] = v.x; dq[r][h][1] = v.y; dq[r][h][2] = v.z; dq[r][h][3] = v.w;
         const size_t gi = (size_t)wrow[r][h] * KG + (ch * KC + c * EPT) / GS;
-        ds[r][h] = static_cast<float>(sc[gi]);
-        db[r][h] = static_cast<float>(bi[gi]);
+        ds[r][h] = bits2(sc[gi]);
+        db[r][h] = bits2(bi[gi]);
       }
   };
 
@@ -95,35 +133,65 @@
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[r][t][e] = 0.0f;
 
-  if (warp < nchunk) load(warp, q, s, b);
+  if (warp < nchunk) load(warp, q, s2, b2);
   for (int ch = warp; ch < nchunk; ch += NW) {
-    if (ch + NW < nchunk) load(ch + NW, nq, ns, nb);
+    if (ch + NW < nchunk) load(ch + NW, nq, ns2, nb2);
+#if BITS == 4
 #pragma unroll
-    for (int j = 0; j < EPT / 4; ++j) {
-      // Step j: k = c*EPT + 4j .. 4j+3 of the chunk, in word j/2 (4-bit) or j (8-bit).
-      const int wi = BITS == 4 ? j >> 1 : j, sh = BITS == 4 ? (j & 1) * 16 : 0;
+    for (int wi = 0; wi < 4; ++wi) {
+      // Word wi: k = c*32 + 8wi .. +7 of the chunk, two mma steps: nibble pairs (0,4), (1,5) then (2,6), (3,7).
+      unsigned xv[MT][4];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(xrow[t] + ch * KC + 8 * wi));
+        xv[t][0] = v.x; xv[t][1] = v.y; xv[t][2] = v.z; xv[t][3] = v.w;
+      }
+#pragma unroll
+      for (int hs = 0; hs < 2; ++hs) {
+        unsigned a[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          a[r][0] = nibbles(q[r][0][wi], 2 * hs, s2[r][0], b2[r][0]);
+          a[r][1] = nibbles(q[r][1][wi], 2 * hs, s2[r][1], b2[r][1]);
+          a[r][2] = nibbles(q[r][0][wi], 2 * hs + 1, s2[r][0], b2[r][0]);
+          a[r][3] = nibbles(q[r][1][wi], 2 * hs + 1, s2[r][1], b2[r][1]);
+        }
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          const unsigned bf[2] = {__byte_perm(xv[t][hs], xv[t][hs + 2], 0x5410),
+                                  __byte_perm(xv[t][hs], xv[t][hs + 2], 0x7632)};
+          mma(acc[0][t], a[0], bf);
+          mma(acc[1][t], a[1], bf);
+        }
+      }
+    }
+#else
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // Word j: k = c*16 + 4j .. +3 of the chunk, one mma step of byte pairs (0,1), (2,3).
       unsigned a[2][4];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        a[r][0] = pair(q[r][0][wi], sh, s[r][0], b[r][0]);
-        a[r][1] = pair(q[r][1][wi], sh, s[r][1], b[r][1]);
-        a[r][2] = pair(q[r][0][wi], sh + 2 * BITS, s[r][0], b[r][0]);
-        a[r][3] = pair(q[r][1][wi], sh + 2 * BITS, s[r][1], b[r][1]);
+        a[r][0] = bytes(q[r][0][j], 0, s2[r][0], b2[r][0]);
+        a[r][1] = bytes(q[r][1][j], 0, s2[r][1], b2[r][1]);
+        a[r][2] = bytes(q[r][0][j], 2, s2[r][0], b2[r][0]);
+        a[r][3] = bytes(q[r][1][j], 2, s2[r][1], b2[r][1]);
       }
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        const uint2 xv = __ldg(reinterpret_cast<const uint2*>(xrow[t] + ch * KC + 4 * j));
-        const unsigned bf[2] = {xv.x, xv.y};
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(xrow[t] + ch * KC + 4 * j));
+        const unsigned bf[2] = {v.x, v.y};
         mma(acc[0][t], a[0], bf);
         mma(acc[1][t], a[1], bf);
       }
     }
+#endif
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        s[r][h] = ns[r][h];
-        b[r][h] = nb[r][h];
+        s2[r][h] = ns2[r][h];
+        b2[r][h] = nb2[r][h];
 #pragma unroll
         for (int i = 0; i < 4; ++i) q[r][h][i] = nq[r][h][i];
       }

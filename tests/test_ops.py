@@ -165,7 +165,7 @@ QKV = [  # K, (Nq, Nk, Nv), bits, group, dtype, x [B, L], bias
     (320, (96, 32, 32), 4, 64, F32, (1, 2), False),         # float32 activations
     (320, (96, 32, 32), 4, 64, F16, (1, 9), False),         # more rows than the decode kernels take
     (512, (129, 33, 33), 4, 32, BF16, (3, 11), True),       # CUDA: tensor cores (9-511 rows)
-    (256, (64, 16, 16), 8, 128, F16, (1, 100), False),      # CUDA: two 64-token tiles
+    (256, (64, 16, 16), 8, 128, F16, (2, 32), False),       # CUDA: 64 rows, the most it takes
 ]
 
 
@@ -187,7 +187,7 @@ GATE_UP = [  # K, intermediate, bits, group, dtype, x [B, L], bias
     (256, 129, 8, 128, F16, (1, 3), True),
     (320, 64, 4, 64, F32, (1, 2), False),
     (256, 40, 8, 64, BF16, (2, 8), False),         # 16 rows (CUDA: tensor cores)
-    (384, 37, 4, 128, F16, (1, 70), False),        # CUDA: two token tiles, the second of 6 rows
+    (384, 37, 4, 128, F16, (1, 57), False),        # CUDA: 8 token tiles, the last of 1 row
     (128, 4097, 4, 32, F16, (1, 1), False),        # CUDA: 2 rows a warp from 4096 outputs
 ]
 

@@ -5,8 +5,8 @@
 Epilogues (EPI): 0 plain (+ bias), 1 + residual, 2 SiLU(gate) * up, 3 the QKV head (q/k norm, RoPE,
 k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj,
 gate_up_silu and lm_head run EPI 0 / 2 for up to MAX_ROWS rows; prefill-sized QKV and gate/up calls
-run dense matmuls on dequantised weights (prefill.py), the rows between on tensor cores (qmm.py),
-the rest stock quantized_matmul. Per call the
+run dense matmuls on dequantised weights (prefill.py), 9-64 rows a quantised matmul on tensor
+cores (qmm.py), the rest stock quantized_matmul. Per call the
 kernel is picked by its static shape class (dtype, rows, bits, group size, epilogue); K and N are
 read from the weight's shape at run time.
 """
@@ -189,9 +189,9 @@ def unsupported_gate_up_silu(**info):
 def linear(x, w):
     """x @ W^T for rows the GEMV does not take, and o_proj / down_proj outside the one-launch
     layer at any row count: prefill-sized calls through dense matmuls on dequantised weights
-    (prefill.py), more than MAX_ROWS rows below that on tensor cores (qmm.py), the rest stock
-    quantized_matmul (as a single op the GEMV lost to it on the H200: 0.45-0.8x at decode B=1 for
-    Qwen3-0.6B/4B's o_proj and down, timed by the tuner's probes on 2026-12-01)."""
+    (prefill.py), 9-64 rows on tensor cores (qmm.py), the rest stock quantized_matmul (as a
+    single op the GEMV lost to it on the H200: 0.45-0.8x at decode B=1 for Qwen3-0.6B/4B's o_proj
+    and down, timed by the tuner's probes on 2026-12-01)."""
     M = rows(x)
     if M >= PREFILL_MIN_ROWS and x.dtype == w.scales.dtype:
         return prefill.linear(x, w)
@@ -213,7 +213,7 @@ def qkv_proj(x, w):
 
 def gate_up_silu(x, w):
     M = rows(x)
-    if MAX_ROWS < M < PREFILL_MIN_ROWS and qmm.takes(x, w):
+    if M > MAX_ROWS and qmm.takes(x, w):
         return qmm.qmm(x, w, epi=2)
     if M > MAX_ROWS or x.dtype != w.scales.dtype:
         gate, up = mx.split(linear(x, w), 2, axis=-1)

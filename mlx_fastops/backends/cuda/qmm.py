@@ -1,12 +1,13 @@
-"""Quantised matmul on tensor cores (cuda/qmm.cu) for the rows between the decode GEMVs and the
-prefill path: more than MAX_ROWS and fewer than PREFILL_MIN_ROWS (batched decode of 9+ sequences,
-speculative verification, short prompts and prompt tails).
+"""Quantised matmul on tensor cores (cuda/qmm.cu) for the rows just past the decode GEMVs: more
+than MAX_ROWS, at most QMM_MAX_ROWS (batched decode of 9-64 sequences, speculative verification,
+short prompts). More rows go to stock quantized_matmul, and from PREFILL_MIN_ROWS to the prefill
+path (prefill.py).
 
     y = x @ (s * q + b)^T  (+ bias)          EPI 2: swiglu(gate rows, up rows)
 
-MLX's quantized_matmul is at 15-100 TFLOP/s on these row counts on the H200, dequantise + dense
-matmul lower still (benchmarks/results/cuda_prefill.md); here one weight read serves every token
-of the block, dequantised once per 16 rows in registers.
+On these rows a GEMM is a weight read: MLX's quantized_matmul reaches 1-80 TFLOP/s on the H200,
+dequantise + dense matmul less (benchmarks/results/cuda_prefill.md). Here one weight read serves
+every token of the block, dequantised once per 16 rows in registers.
 """
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ import mlx.core as mx
 from ...kernels import cached_builder, cuda_kernel
 from .source import HALF, kernel_name, rows, source
 
+QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul (the first kernel lost to it from 64 rows)
 TOKENS_MAX = 64     # tokens per block: 8 mma tiles of 8 (more rows: more blocks along y)
 SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
 WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
@@ -25,9 +27,10 @@ def chunk_k(bits):
 
 
 def takes(x, w):
-    """Whether the kernel takes x @ w: 4/8-bit weights, half activations in the scales' dtype, K
-    in whole chunks (Qwen3, Llama and Qwen2 hidden and intermediate sizes are)."""
-    return (w.quantized and w.bits in (4, 8) and w.group_size in (32, 64, 128) and x.dtype in HALF
+    """Whether the kernel takes x @ w: up to QMM_MAX_ROWS rows, 4/8-bit weights, half activations
+    in the scales' dtype, K in whole chunks (Qwen3, Llama and Qwen2 hidden and intermediate sizes
+    are)."""
+    return (rows(x) <= QMM_MAX_ROWS and w.quantized and w.bits in (4, 8) and w.group_size in (32, 64, 128) and x.dtype in HALF
             and x.dtype == w.scales.dtype and x.shape[-1] % chunk_k(w.bits) == 0)
 
 
