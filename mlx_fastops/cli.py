@@ -6,28 +6,7 @@ import sys
 import mlx.core as mx
 
 from . import cli_args
-from .cli_args import at_least, fusion_names, list_at_least, output_file, some_fusion_names
-
-
-def _model_args(p):
-    from .config import FUSIONS
-    from .models import DTYPES
-    from .synthetic import CONFIGS
-
-    p.add_argument("--model", "-M", default=None,
-                   help=f"synthetic model name ({', '.join(CONFIGS)}), local mlx-lm directory or Hugging Face "
-                        "repo (owner/name) (default: synthetic qwen3-0.6b 4-bit on a GPU, qwen3-cpu without one)")
-    p.add_argument("--bits", type=int, choices=[0, 2, 3, 4, 5, 6, 8], default=None,
-                   help="synthetic models: quantisation bits, 0 for float; 4 and 8 are fused, the others stay "
-                        "stock (default: 4)")
-    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None,
-                   help="synthetic models: quantisation group size (default: 64)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="synthetic models: activation dtype (default: bfloat16; float32 for the *-cpu and "
-                        "*-tiny models)")
-    p.add_argument("--disable", type=fusion_names, default="",
-                   help="comma-separated fusions to leave stock, from: " + ", ".join(FUSIONS)
-                        + " (default: none)")
+from .cli_args import at_least, list_at_least, model_args, output_file, profile_args, some_fusion_names
 
 
 def _load(args, source=None):
@@ -253,15 +232,20 @@ def cmd_profile(args):
     from . import patch, profiler
 
     model, _, label, _ = _load(args)
+    prefill = args.prefill is not None
     if not args.stock:
-        # Per-op timing evaluates each op on its own, which a compiled decode step (CUDA) cannot do.
-        print(patch(model, disable=f"{args.disable},compile"))
-        print("(profiled without the compiled decode step: each op is evaluated on its own)")
+        # Per-op timing evaluates each op on its own, which a compiled decode step (CUDA) cannot do;
+        # prefill chunks never take that step.
+        print(patch(model, disable=args.disable if prefill else f"{args.disable},compile"))
+        if not prefill:
+            print("(profiled without the compiled decode step: each op is evaluated on its own)")
     if args.capture:   # cli_args.check has made sure this machine can
         profiler.capture(model, args.capture)
         print(f"wrote {args.capture}")
-    result = profiler.profile(model, prompt_len=args.prompt_tokens, tokens=args.num_tokens,
-                              warmup=args.warmup)
+    given = {k: v for k, v in (("context", args.prompt_tokens), ("recorded", args.num_tokens),
+                               ("warmup", args.warmup)) if v is not None}   # else each profile's defaults
+    result = (profiler.profile_prefill(model, args.prefill, **given) if prefill
+              else profiler.profile(model, **given))
     print(f"model: {label} ({'stock' if args.stock else 'patched'}), device {mx.default_device()}")
     print(profiler.to_markdown(result))
     if args.trace:
@@ -287,7 +271,7 @@ def build_parser():
                                    "and decode tok/s after it (tgG @N), alternating after warm-up, "
                                    "median (min-max) of the trials. --model takes several, comma-separated. "
                                    "Without a GPU, the time a model's run will take is measured and said first.")
-    _model_args(b)
+    model_args(b)
     b.add_argument("-p", "--prompt-tokens", type=list_at_least(1), default=None,
                    help="prompt lengths, comma-separated (default: 512,2048 on a GPU, 32 without one)")
     b.add_argument("-g", "--generation-tokens", type=at_least(0), default=None,
@@ -313,7 +297,7 @@ def build_parser():
     b.set_defaults(func=cmd_bench)
 
     g = sub.add_parser("generate", help="generate text with the patched model")
-    _model_args(g)
+    model_args(g)
     g.add_argument("--prompt", "-p", default="hello",
                    help="text; for synthetic models words t<id> are token ids (default: %(default)s)")
     g.add_argument("--max-tokens", "-m", type=at_least(1), default=64, help="tokens to generate (default: %(default)s)")
@@ -325,7 +309,7 @@ def build_parser():
                                    "model evaluated in float32, fed stock's tokens: patched must be no further "
                                    "from it than stock and keep stock's token wherever stock's margin is clear. "
                                    "Exits 1 only where that standard fails.")
-    _model_args(v)
+    model_args(v)
     v.add_argument("-n", "--num-tokens", type=at_least(1), default=32,
                    help="greedy tokens to compare (default: %(default)s)")
     v.add_argument("--prompt", default=None, help="text prompt (default: --prompt-len random tokens)")
@@ -337,18 +321,13 @@ def build_parser():
                         "(always done otherwise) (default: off)")
     v.set_defaults(func=cmd_verify)
 
-    f = sub.add_parser("profile", help="per-op decode time table")
-    _model_args(f)
-    f.add_argument("-n", "--num-tokens", type=at_least(1), default=16,
-                   help="decode steps recorded (default: %(default)s)")
-    f.add_argument("--prompt-tokens", type=at_least(1), default=32,
-                   help="random prompt tokens before them (default: %(default)s)")
-    f.add_argument("--warmup", type=at_least(0), default=4, help="decode steps not recorded (default: %(default)s)")
-    f.add_argument("--stock", action="store_true", help="profile the unpatched model (default: off, patched)")
-    f.add_argument("--trace", type=output_file,
-                   help="write a Chrome/Perfetto trace JSON (default: not written)")
-    f.add_argument("--capture", type=output_file,
-                   help="Metal GPU capture, FILE.gputrace; Metal only (default: none)")
+    f = sub.add_parser("profile", help="per-op time table of decode steps or (--prefill N) prefill chunks",
+                       description="Every op of a decode step, or with --prefill N of an N-token prefill chunk, "
+                                   "evaluated on its own and timed: per op the median time per step/chunk over the "
+                                   "recorded ones (after warm-up) and its share, beside the unsynchronised "
+                                   "step/chunk time and the host time to build its graph.")
+    model_args(f)
+    profile_args(f)
     f.set_defaults(func=cmd_profile)
 
     t = sub.add_parser("tune", help="time each fusion against stock on this device, print the decisions",
@@ -357,7 +336,7 @@ def build_parser():
                                    "keeps a fusion only where it is faster beyond the spread (a GPU's prefill path by "
                                    "whole prompt chunks; CUDA's fast_decode and compile by whole decode steps). Always measures; the decisions replace this "
                                    "device's cached ones, which patch() then uses.")
-    _model_args(t)
+    model_args(t)
     t.add_argument("--rows", type=list_at_least(1), default=[1, 4],
                    help="decode batch sizes, comma-separated (default: 1,4)")
     t.add_argument("--prefill", type=list_at_least(1), default=None,
@@ -376,7 +355,7 @@ def build_parser():
                                    "/health) and every other flag of mlx_lm.server (--host, --port, --max-tokens, "
                                    "...: see mlx_lm.server --help), passed to it as given. --model also takes "
                                    "a synthetic name. SIGINT or SIGTERM stops it (exit status 0).")
-    _model_args(s)
+    model_args(s)
     s.set_defaults(func=cmd_serve)
     return p
 

@@ -4,6 +4,7 @@ evaluation in half precision); a saved synthetic model directory loaded by mlx-l
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -144,6 +145,35 @@ def test_profile_and_trace(tmp_path, capsys):
     assert {"qkv_proj", "gate_up_silu", "lm_head"} <= {e["name"] for e in events}
 
 
+# profile --prefill, stock and patched: ops of the chunk in the table (mlx-lm never evaluates a prefill
+# chunk's logits: no lm_head), their sum beside the unsynchronised chunk
+PREFILL = [([], "patched", {"qkv_proj", "qk_norm_rope", "flash_attention", "o_proj", "rms_norm_residual",
+                            "gate_up_silu", "down_proj", "kv_cache_update"}),
+           (["--stock"], "stock", {"q_proj", "q_norm", "rope", "sdpa", "o_proj", "post_attention_layernorm",
+                                   "gate_proj", "swiglu", "down_proj", "kv_cache_update"})]
+
+
+@pytest.mark.parametrize("flags,variant,ops", PREFILL)
+def test_profile_prefill(flags, variant, ops, tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    assert main(["profile", *TINY, "--prefill", "24", "--prompt-tokens", "30", "-n", "2", "--warmup", "1",
+                 "--trace", str(trace), *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"({variant}), device" in out and "compiled decode step" not in out
+    assert "| op | calls/chunk | ms/chunk (median) | share |" in out
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+             if line.startswith("| ") and line.count("|") == 5]
+    table = {row[0]: row[1:] for row in cells[cells.index(["op", "calls/chunk", "ms/chunk (median)", "share"]) + 1:]}
+    total = float(table.pop("**total (ops evaluated one by one)**")[1])
+    assert ops <= set(table) and "lm_head" not in table
+    ms = [float(v[1]) for v in table.values()]
+    assert all(t > 0 for t in ms) and total == pytest.approx(sum(ms), abs=1e-3 * len(ms))
+    found = re.search(r"Prefill chunk of 24 tokens after 30 cached tokens, unsynchronised .*: ([\d.]+) ms = \d+ tok/s "
+                      r"\(median of 2 chunks after 1 warm-up; the ops one by one: ([\d.]+)x that\)", out)
+    assert found and float(found[1]) > 0 and float(found[2]) == pytest.approx(total / float(found[1]), abs=0.01)
+    assert ops <= {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+
+
 # --- bad command lines: exit 2, one line naming the problem, nothing loaded ---
 
 NO_METAL = pytest.mark.skipif(mx.metal.is_available(), reason="this machine has Metal")
@@ -186,7 +216,12 @@ BAD = [
     (["verify", "--seed", "-1"], "argument --seed: must be at least 0"),
     (["verify", "--model", "qwen3-tiny,llama-tiny"], "--model takes one model here"),
     (["profile", "-n", "0"], "argument -n/--num-tokens: must be at least 1, got 0"),
-    (["profile", "--prompt-tokens", "0"], "argument --prompt-tokens: must be at least 1"),
+    (["profile", "--prompt-tokens", "0"], "--prompt-tokens: a decode profile needs at least 1 token before its steps"),
+    (["profile", "--prefill", "8", "--prompt-tokens", "-1"], "argument --prompt-tokens: must be at least 0, got -1"),
+    (["profile", "--prefill", "0"], "argument --prefill: must be at least 1, got 0"),
+    (["profile", "--prefill", "x"], "argument --prefill: expected an integer, got 'x'"),
+    (["profile", "--prefill", "8", "-n", "0"], "argument -n/--num-tokens: must be at least 1, got 0"),
+    (["profile", "--prefill", "8", "--capture", "{tmp}/x.gputrace"], "--capture records decode steps; it does not take --prefill"),
     (["profile", "--warmup", "-1"], "argument --warmup: must be at least 0"),
     (["profile", "--trace", "{tmp}/missing/t.json"], "argument --trace: folder {tmp}/missing does not exist"),
     pytest.param(["profile", "--capture", "{tmp}/x.gputrace"], "this machine has no Metal device", marks=NO_METAL),
