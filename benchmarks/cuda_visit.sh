@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device visit on the H200 (after `source .device-wheels/b/install.sh`, ../shared/cuda-host/README.md);
 # logs go to $OUT. Usage: bash benchmarks/cuda_visit.sh MODE [ARGS]
-#   tests        pytest -m cuda tests/test_cuda_kernels.py tests/test_ops.py tests/test_cuda_prefill.py
+#   tests        pytest -m cuda tests/test_cuda_kernels.py tests/test_cuda_qmm.py tests/test_ops.py tests/test_cuda_prefill.py
 #   models       pytest -m cuda tests/test_cuda_models.py tests/test_cuda_batch.py
 #   correctness  both suites side by side (each over 4 pytest-xdist workers where xdist is installed)
 #   bench        the README's table: mlx-fastops bench, 4 models, -p 512,2048,8192 -g 128 -n 3 -> results/cuda_bench.*
@@ -11,8 +11,8 @@
 #   tune_bench   bench --tune on both, -p 512,2048 -g 128 -n 3 (stock, all fusions, tuned; the decisions
 #                cached by `tune` in this visit, else measured again) -> results/cuda_tune.*
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
-#   batch        batched decoding through mlx-lm's BatchGenerator, B = 1, 4, 8 -> results/cuda_batch.*
-#   prefill      prefill GEMMs: stock quantized_matmul, ours, dense matmul, TFLOP/s -> results/cuda_prefill.*
+#   batch        batched decoding through mlx-lm's BatchGenerator, 4B and 8B, B = 1-32 -> results/cuda_batch.*
+#   prefill      GEMMs of 9-8192 rows: stock quantized_matmul, qmm, dequantise + matmul, dense, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
 #                Nsight Systems NVTX/CUDA-API summary of Qwen3-4B decode where nsys is installed
@@ -49,7 +49,7 @@ phases() {  # phases DIR TIMEOUT [--disable NAMES ...]
 }
 case "$mode" in
   tests)
-    timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py tests/test_ops.py tests/test_cuda_prefill.py -p no:cacheprovider \
+    timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py tests/test_cuda_qmm.py tests/test_ops.py tests/test_cuda_prefill.py -p no:cacheprovider \
       > "$OUT/test_kernels.log" 2>&1
     tail -n 8 "$OUT/test_kernels.log" ;;
   models)
@@ -76,7 +76,7 @@ case "$mode" in
     grep -E "^\| (qwen|llama)" "$R/cuda_tune.md" | cut -c1-200
     cp "$R"/cuda_tune.* "$OUT/" ;;
   batch)
-    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-0.6b,qwen3-4b --batches 1,4,8 -p 512 -g 128 -n 3 \
+    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-4b,qwen3-8b --batches 1,4,8,16,32 -p 256 -g 32 -n 2 \
       --out "$R/cuda_batch" > "$OUT/batch.log" 2>&1
     grep -E "^\| (qwen|llama)" "$R/cuda_batch.md" | cut -c1-170; cp "$R"/cuda_batch.* "$OUT/" ;;
   ab)
@@ -87,7 +87,7 @@ case "$mode" in
     bench "$A/cuda_bench" $((170 * (n + 1))) "${bvar[@]}"
     tar czf "$OUT/ab.tgz" -C "$A" . ;;
   prefill)
-    timeout 300 python3 benchmarks/cuda_prefill.py --out "$R/cuda_prefill" > "$OUT/prefill.log" 2>&1
+    timeout 540 python3 benchmarks/cuda_prefill.py --out "$R/cuda_prefill" > "$OUT/prefill.log" 2>&1
     tail -n 20 "$OUT/prefill.log"; cp "$R"/cuda_prefill.* "$OUT/" ;;
   kernels)
     timeout 150 python3 benchmarks/cuda_kernels.py --out "$R/cuda_kernels" > "$OUT/kernels.log" 2>&1
