@@ -35,9 +35,12 @@ def main():
         model = synthetic_model(name, bits=4)
         for B in batches:
             results.append(bench.run(model, name, prompts=prompts, gen=a.gen, trials=a.trials, batch=B))
+            # Written after every row: a run cut short by a time limit keeps the rows it finished.
+            doc = bench.document(results, prompts=prompts, gen=a.gen, trials=a.trials, warmup=1, disable="",
+                                 batches=batches)
+            text = bench.save(doc, a.out)
         del model
-    doc = bench.document(results, prompts=prompts, gen=a.gen, trials=a.trials, warmup=1, disable="", batches=batches)
-    print(bench.save(doc, a.out))
+    print(text)
 
 
 if __name__ == "__main__":
