@@ -69,7 +69,7 @@ def case(label, K, N, M, reps):
 def markdown(rows, meta):
     lines = ["# GEMMs of more than 8 rows: TFLOP/s (4-bit g64, bf16)", "",
              "| shape (K x N) | M | stock quantized_matmul | tensor-core qmm (GB/s) | dequantise + matmul | "
-             "dense bf16 matmul | best of ours / stock |", "|---|---|---|---|---|---|---|"]
+             "dense bf16 matmul | the faster of qmm and dequantise + matmul / stock |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         q = f"{r['qmm']:.1f} ({r['qmm_gbs']:.0f})" if "qmm" in r else "-"
         best = max(r.get("qmm", 0.0), r["dequantised"])

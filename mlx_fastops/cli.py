@@ -340,7 +340,7 @@ def build_parser():
     t.add_argument("--rows", type=list_at_least(1), default=[1, 4],
                    help="decode batch sizes, comma-separated (default: 1,4)")
     t.add_argument("--prefill", type=list_at_least(1), default=None,
-                   help="prefill chunk lengths, comma-separated (default: 1024,2048 on a GPU, 512 without one)")
+                   help="prefill chunk lengths, comma-separated (default: 64,1024,2048 on a GPU, 512 without one)")
     t.add_argument("--context", type=at_least(1), default=512,
                    help="KV length of decode attention and of the prompt before timed decode steps (default: 512)")
     t.add_argument("--samples", type=at_least(4), default=15,

@@ -11,9 +11,10 @@ the stock side is what the model computes with that fusion off:
   residual_norm  add_norm_fn(r, x)                x + r, then the post-attention norm decode rows, prefill
   attention      decode_fn over a KV buffer;      mx.fast.scaled_dot_product_attention  decode rows at the
                  prefill_fn, causal               on the valid part / causal         context length, prefill
-qkv and gate_up at more than 8 rows run the backend's prefill path or the reference op (stock's own
-quantized_matmul on the stacked weights), so they are timed at decode rows; `prefill` (those calls,
-and o_proj / down, on a GPU's prefill path) is timed by whole prompt chunks (tuner._whole_prefill),
+qkv and gate_up at more than 8 rows run the backend's prefill path (CUDA: 9-64 rows the tensor-core
+qmm, 512 or more the dense path) or the reference op (stock's own quantized_matmul on the stacked
+weights), so they are timed at decode rows; `prefill` (those calls, and o_proj / down, on a GPU's
+prefill path) is timed by whole prompt chunks (tuner._whole_prefill; 64 tokens for qmm),
 since its cost is also in what stays alive between the calls (backends/cuda/prefill.py).
 """
 

@@ -63,9 +63,10 @@ class Tuner:
     def __init__(self, mode="on", rows=(1, 4), prefill=None, context=512, samples=15, steps=8, rounds=3,
                  timer=wall_clock, quiet=False):
         self.mode = config.tune_mode(mode)
-        if prefill is None:   # where a GPU makes it cheap, chunks the prefill path takes (512 rows or
-            # more on CUDA), up to mlx-lm's prefill chunk (2048)
-            prefill = (1024, 2048) if mx.metal.is_available() or mx.cuda.is_available() else (512,)
+        if prefill is None:   # where a GPU makes it cheap: 64 rows (CUDA's tensor-core qmm, 9-64 rows:
+            # the size of a batched decode step, judged before 1024 and 2048, the dense path's chunks
+            # up to mlx-lm's prefill chunk; a loss at 64 keeps stock up to 64 rows)
+            prefill = (64, 1024, 2048) if mx.metal.is_available() or mx.cuda.is_available() else (512,)
         if not rows or not prefill or min(*rows, *prefill, context) < 1 or samples < 4 or steps < 2 or rounds < 1:
             raise ValueError(f"Tuner needs rows, prefill and context >= 1, samples >= 4, steps >= 2, rounds >= 1; "
                              f"got rows={rows}, prefill={prefill}, context={context}, samples={samples}, "

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_fastops.backends import reference
-from mlx_fastops.backends.cuda import gemv, prefill
+from mlx_fastops.backends.cuda import gemv, prefill, qmm
 from mlx_fastops.ops.weights import PackedLinear
 
 pytestmark = [pytest.mark.cuda]
@@ -77,15 +77,19 @@ def test_calls_in_flight_are_bounded(transform):
     assert mx.array_equal(y, x @ prefill.dense(w).T)
 
 
-@pytest.mark.parametrize("M,paths", [(8, ["gemv"] * 3 + ["stock"]), (9, ["stock"] * 4), (511, ["stock"] * 4),
+@pytest.mark.parametrize("M,paths", [(8, ["gemv"] * 3 + ["stock"]), (9, ["qmm", "qmm", "stock", "qmm"]),
+                                     (64, ["qmm", "qmm", "stock", "qmm"]), (65, ["stock"] * 4), (511, ["stock"] * 4),
                                      (512, ["dense", "dense", "stock", "dense"])])
 def test_rows_pick_the_path(M, paths, monkeypatch):
-    """Up to MAX_ROWS rows the GEMV kernel (not for linear: o_proj / down), then stock
-    quantized_matmul, from PREFILL_MIN_ROWS the dense prefill path for QKV, gate/up and linear
-    (lm_head stays stock): seen by which of the three functions each op calls."""
+    """Up to MAX_ROWS rows the GEMV kernel (not for linear: o_proj / down), then up to
+    QMM_MAX_ROWS the tensor-core qmm, then stock quantized_matmul, from PREFILL_MIN_ROWS the dense
+    prefill path, for QKV, gate/up and linear (lm_head stays stock beyond the GEMV's rows): seen by
+    which of the four functions each op calls."""
     seen, stock = [], reference.linear
     monkeypatch.setattr(gemv, "gemv", lambda x, w, epi=0, **k: seen.append("gemv") or
                         mx.zeros((x.shape[0], w.out_features // (2 if epi == 2 else 1)), x.dtype))
+    monkeypatch.setattr(qmm, "qmm", lambda x, w, epi=0: seen.append("qmm") or
+                        mx.zeros((*x.shape[:-1], w.out_features // (2 if epi == 2 else 1)), x.dtype))
     monkeypatch.setattr(prefill, "linear", lambda x, w: seen.append("dense") or stock(x, w))
     for name in ("linear", "lm_head"):
         monkeypatch.setattr(reference, name, lambda x, w: seen.append("stock") or stock(x, w))

@@ -1,8 +1,10 @@
 """The tensor-core quantised matmul (cuda/qmm.cu) called directly, beyond the row counts the ops
 give it (tests/test_ops.py covers 9-64 rows through the ops): several token tiles along the grid's
-y, K split over 1-8 warps, rows past N in the last block. The exact value is x @ W^T in float64
-with W the weights as the kernel feeds the tensor cores (s * q + b rounded to the dtype), so only
-the summation order and the output rounding differ: within a few units in the last place.
+y, K split over 1-8 warps (with chunks left over), rows past N in the last block. The exact value
+is x @ W^T in float64 with W the weights as the kernel feeds the tensor cores (s * q + b rounded
+once to the dtype), rounded where the kernel rounds (the GEMV's points: T(acc), + bias, the swiglu
+steps): only the summation order differs, so within a few units in the last place, and in the
+emulator (float sums in k order) bit-identical almost everywhere.
 
 On a GPU: `pytest -m cuda`; elsewhere through the CPU emulator of tests/cuda_emu.
 """
@@ -10,20 +12,20 @@ On a GPU: `pytest -m cuda`; elsewhere through the CPU emulator of tests/cuda_emu
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.activations import swiglu
 
 from mlx_fastops import kernels
 from mlx_fastops.backends.cuda import qmm
 from mlx_fastops.ops.weights import PackedLinear
 
 pytestmark = [pytest.mark.cuda]
-F16, BF16 = mx.float16, mx.bfloat16
+F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
 ULP = {F16: 2 ** -10, BF16: 2 ** -7}
+ON_GPU = mx.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
 def cuda_or_emulator():
-    if mx.cuda.is_available():
+    if ON_GPU:
         yield
         return
     import cuda_emu
@@ -32,14 +34,34 @@ def cuda_or_emulator():
 
 
 def to64(a):
-    return np.asarray(a.astype(mx.float32)).astype(np.float64)
+    return np.asarray(a.astype(F32)).astype(np.float64)
+
+
+def rounded(a, dtype):
+    """float64 values rounded to dtype (through float32), back as float64."""
+    return to64(mx.array(np.asarray(a, dtype=np.float32)).astype(dtype))
+
+
+def expected(x, w, dtype, epi):
+    fed = mx.dequantize(w.weight, w.scales.astype(F32), w.biases.astype(F32), group_size=w.group_size,
+                        bits=w.bits).astype(dtype)   # s * q + b rounded once: what the mma reads
+    acc = to64(x) @ to64(fed).T
+    if epi == 2:
+        g, u = np.split(acc, 2, axis=-1)
+        g, u = rounded(g, dtype), rounded(u, dtype)
+        sg = rounded(1.0 / (1.0 + np.exp(-g)), dtype)
+        return rounded(rounded(g * sg, dtype) * u, dtype)
+    y = rounded(acc, dtype)
+    return y if w.bias is None else rounded(y + to64(w.bias), dtype)
 
 
 CASES = [  # M, K, N, bits, group, dtype, epi, bias
     (100, 256, 72, 4, 64, BF16, 0, False),     # two token tiles, the second of 36 rows
     (130, 384, 40, 8, 32, F16, 0, True),       # three tiles, the last of 2 rows; 8-bit
     (9, 1024, 33, 4, 128, F16, 0, False),      # one tile, K over 8 warps, 1 row in the last block
+    (9, 2560, 40, 4, 64, BF16, 0, True),       # 20 chunks over 8 warps: 4 warps take one more
     (77, 128, 64, 4, 32, BF16, 2, False),      # swiglu, one chunk of K
+    (20, 256, 48, 4, 32, F16, 2, False),       # swiglu in half
     (65, 512, 96, 8, 64, BF16, 2, False),      # swiglu, 8-bit, a second tile of 1 row
 ]
 
@@ -50,16 +72,32 @@ def test_qmm_matches_its_weights_in_float64(M, K, N, bits, gs, dtype, epi, bias)
     w = PackedLinear(wq, s.astype(dtype), b.astype(dtype),
                      (0.1 * mx.random.normal((N,))).astype(dtype) if bias else None, (N,), K, bits, gs)
     x = mx.random.normal((M, K)).astype(dtype)
-    assert w.scales.dtype == dtype and qmm.chunk_k(bits) <= K
-    y = qmm.qmm(x, w, epi=epi)
-    fed = mx.dequantize(wq, w.scales, w.biases, group_size=gs, bits=bits)   # in dtype: what the mma reads
-    exact = to64(x) @ to64(fed).T
-    if bias:
-        exact = to64((mx.array(exact.astype(np.float32)).astype(dtype) + w.bias))
-    if epi == 2:
-        g, u = np.split(exact, 2, axis=-1)
-        exact = to64(swiglu(mx.array(g.astype(np.float32)).astype(dtype), mx.array(u.astype(np.float32)).astype(dtype)))
-    out = to64(y)
+    out, exact = to64(qmm.qmm(x, w, epi=epi)), expected(x, w, dtype, epi)
     assert out.shape == exact.shape and np.isfinite(out).all()
     err = np.abs(out - exact).max() / np.abs(exact).max()
     assert err < 4 * ULP[dtype], err
+    if not ON_GPU:   # the GPU's tensor cores add in their own order
+        same = float((out == exact).mean())
+        assert same > 0.99, same
+
+
+def _linear(x_dtype, rows, K, bits=4, gs=64, w_dtype=BF16):
+    wq, s, b = mx.quantize(mx.zeros((32, K)), group_size=gs, bits=bits)
+    return mx.zeros((rows, K), x_dtype), PackedLinear(wq, s.astype(w_dtype), b.astype(w_dtype), None, (32,), K, bits, gs)
+
+
+TAKES = [  # x dtype, rows, K, bits, group, scales' dtype, taken
+    (BF16, 9, 256, 4, 64, BF16, True),
+    (F16, 64, 128, 4, 32, F16, True),
+    (BF16, 64, 64, 8, 64, BF16, True),
+    (BF16, 65, 256, 4, 64, BF16, False),    # past QMM_MAX_ROWS
+    (F32, 16, 256, 4, 64, F32, False),      # float32 activations
+    (F16, 16, 256, 4, 64, BF16, False),     # activations not in the scales' dtype
+    (BF16, 16, 320, 4, 64, BF16, False),    # K not in 128-chunks (4-bit)
+    (BF16, 16, 96, 8, 32, BF16, False),     # K not in 64-chunks (8-bit)
+]
+
+
+@pytest.mark.parametrize("xd,rows,K,bits,gs,wd,taken", TAKES)
+def test_which_calls_qmm_takes(xd, rows, K, bits, gs, wd, taken):
+    assert qmm.takes(*_linear(xd, rows, K, bits, gs, wd)) is taken

@@ -164,7 +164,7 @@ QKV = [  # K, (Nq, Nk, Nv), bits, group, dtype, x [B, L], bias
     (256, (64, 16, 16), 8, 128, BF16, (1, 7), False),
     (320, (96, 32, 32), 4, 64, F32, (1, 2), False),         # float32 activations
     (320, (96, 32, 32), 4, 64, F16, (1, 9), False),         # more rows than the decode kernels take
-    (512, (129, 33, 33), 4, 32, BF16, (3, 11), True),       # CUDA: tensor cores (9-511 rows)
+    (512, (129, 33, 33), 4, 32, BF16, (3, 11), True),       # CUDA: tensor cores (9-64 rows)
     (256, (64, 16, 16), 8, 128, F16, (2, 32), False),       # CUDA: 64 rows, the most it takes
 ]
 

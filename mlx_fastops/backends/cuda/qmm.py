@@ -5,7 +5,7 @@ path (prefill.py).
 
     y = x @ (s * q + b)^T  (+ bias)          EPI 2: swiglu(gate rows, up rows)
 
-On these rows a GEMM is a weight read: MLX's quantized_matmul reaches 1-80 TFLOP/s on the H200,
+On these rows a GEMM is a weight read: MLX's quantized_matmul reaches 1-81 TFLOP/s on the H200,
 dequantise + dense matmul less (benchmarks/results/cuda_prefill.md). Here one weight read serves
 every token of the block, dequantised once per 16 rows in registers.
 """
@@ -15,7 +15,7 @@ import mlx.core as mx
 from ...kernels import cached_builder, cuda_kernel
 from .source import HALF, kernel_name, rows, source
 
-QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul (the first kernel lost to it from 64 rows)
+QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this path by 64-token chunks
 TOKENS_MAX = 64     # tokens per block: 8 mma tiles of 8 (more rows: more blocks along y)
 SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
 WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
@@ -60,7 +60,9 @@ def qmm(x, w, epi=0):
     quantised PackedLinear that `takes` x."""
     M, K, N = rows(x), x.shape[-1], w.weight.shape[0]
     nout = N // 2 if epi == 2 else N
-    bias = epi == 0 and w.bias is not None
+    if epi == 2 and w.bias is not None:
+        raise ValueError("qmm: no bias on gate/up (unsupported_gate_up_silu refuses it)")
+    bias = w.bias is not None
     MT, NW, bx, by = qmm_config(M, K, nout, w.bits, epi)
     kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, epi, bias)
     inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
