@@ -12,6 +12,8 @@
 #                cached by `tune` in this visit, else measured again) -> results/cuda_tune.*
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
 #   batch        batched decoding through mlx-lm's BatchGenerator, 4B and 8B, B = 1-32 -> results/cuda_batch.*
+#   qmm          the tensor-core qmm: its GPU tests, then its GEMMs at 9-128 rows -> results/cuda_prefill.*
+#   batch_ab     B = 8, 16, 32 on Qwen3-0.6B and 4B with and without `prefill` (qmm's switch) -> $OUT/batch_ab.tgz
 #   prefill      GEMMs of 9-8192 rows: stock quantized_matmul, qmm, dequantise + matmul, dense, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
@@ -79,6 +81,20 @@ case "$mode" in
     timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-4b,qwen3-8b --batches 1,4,8,16,32 -p 256 -g 32 -n 2 \
       --out "$R/cuda_batch" > "$OUT/batch.log" 2>&1
     grep -E "^\| (qwen|llama)" "$R/cuda_batch.md" | cut -c1-170; cp "$R"/cuda_batch.* "$OUT/" ;;
+  qmm)
+    timeout 240 python3 -m pytest -m cuda -q -rfs tests/test_cuda_qmm.py tests/test_ops.py -k "qmm or qkv or gate_up or linear" \
+      -p no:cacheprovider > "$OUT/test_qmm.log" 2>&1
+    tail -n 4 "$OUT/test_qmm.log"
+    timeout 330 python3 benchmarks/cuda_prefill.py --rows 9,16,32,64,128 --out "$R/cuda_prefill" > "$OUT/prefill.log" 2>&1
+    grep -E "^\| " "$R/cuda_prefill.md" | cut -c1-150; cp "$R"/cuda_prefill.* "$OUT/" ;;
+  batch_ab)
+    A="$OUT/batch_ab"; mkdir -p "$A"
+    for dis in "" prefill; do
+      MLX_FASTOPS_DISABLE=$dis timeout 280 python3 benchmarks/cuda_batch.py --models qwen3-0.6b,qwen3-4b --batches 8,16,32 \
+        -p 256 -g 32 -n 2 --out "$A/cuda_batch${dis:+_no_$dis}" > "$A/batch${dis:+_no_$dis}.log" 2>&1
+      echo "== disable '$dis'"; grep -E "^\| (qwen|llama)" "$A/cuda_batch${dis:+_no_$dis}.md" | grep " tg" | cut -c1-130
+    done
+    tar czf "$OUT/batch_ab.tgz" -C "$A" . ;;
   ab)
     : "${2:?usage: cuda_visit.sh ab NAMES [NAMES...]}"
     A="$OUT/ab"; mkdir -p "$A"; LOGS=$A; n=$(($# - 1)); bvar=(); pdis=()
