@@ -15,7 +15,8 @@ Outputs start poisoned (NaN, or 0x7F7F7F7F for integers) unless init_value is gi
 What it checks: the arithmetic, indexing and synchronisation logic of a kernel (barriers, masked
 warp shuffles, blocks waiting for other blocks: resident blocks interleave and drift apart). What
 it cannot: timing, memory-model effects (writes are visible at once), out-of-bounds reads (no guard
-pages), registers. See docs/cuda-emulator.md.
+pages), the alignment of vector loads (MLX's CPU arrays are 8-byte aligned, a GPU's far more, so
+a check here would refuse correct kernels), registers. See docs/cuda-emulator.md.
 Results are "CUDA-emulator-verified"; the kernels still need `pytest -m cuda` on a GPU.
 """
 
