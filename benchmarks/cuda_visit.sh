@@ -14,6 +14,7 @@
 #   batch        batched decoding through mlx-lm's BatchGenerator, 4B and 8B, B = 1-32 -> results/cuda_batch.*
 #   qmm          the tensor-core qmm: its GPU tests, then its GEMMs at 9-128 rows -> results/cuda_prefill.*
 #   batch_ab     B = 8, 16, 32 on Qwen3-0.6B and 4B with and without `prefill` (qmm's switch) -> $OUT/batch_ab.tgz
+#   serve        mlx_lm.server vs mlx-fastops serve over HTTP, Qwen3-4B, 1 / 4 / 16 clients -> results/serve_load.*
 #   prefill      GEMMs of 9-8192 rows: stock quantized_matmul, qmm, dequantise + matmul, dense, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
@@ -95,6 +96,10 @@ case "$mode" in
       echo "== disable '$dis'"; grep -E "^\| (qwen|llama)" "$A/cuda_batch${dis:+_no_$dis}.md" | grep " tg" | cut -c1-130
     done
     tar czf "$OUT/batch_ab.tgz" -C "$A" . ;;
+  serve)
+    timeout 560 python3 benchmarks/serve_load.py --model qwen3-4b --clients 1,4,16 --requests-per-client 2 \
+      --max-tokens 64 --time-limit 80 --out "$R/serve_load" > "$OUT/serve.log" 2>&1
+    grep -E "^\| " "$R/serve_load.md" | cut -c1-170; cp "$R"/serve_load.* "$OUT/" ;;
   ab)
     : "${2:?usage: cuda_visit.sh ab NAMES [NAMES...]}"
     A="$OUT/ab"; mkdir -p "$A"; LOGS=$A; n=$(($# - 1)); bvar=(); pdis=()

@@ -253,6 +253,7 @@ def test_bench_tune_adds_a_tuned_column(tmp_path):
     ({512: "loss", 1024: "win", 2048: "win"}, True, 512),
     ({512: "win", 1024: "tie", 2048: "win"}, True, 1024),
     ({512: "win", 2048: "tie"}, False, None),    # no win at the largest chunk: off
+    ({64: "loss", 1024: "win", 2048: "win"}, True, 64),   # a GPU's defaults: CUDA's qmm loses, stock up to 64
 ])
 def test_prefill_is_kept_above_the_sizes_it_does_not_win(verdicts, kept, above):
     times = {"win": ([1.0] * 5, [2.0] * 5), "tie": ([1.0] * 5, [1.0] * 5), "loss": ([2.0] * 5, [1.0] * 5)}
@@ -289,6 +290,7 @@ def test_prefill_is_judged_by_whole_prompt_chunks(ratio, kept, above):
 @pytest.mark.parametrize("rows, above, runs", [
     (1, None, "fn"), (8, None, "fn"), (9, None, "ref"), (4096, None, "ref"),
     (8, 512, "fn"), (512, 512, "ref"), (513, 512, "fn"), (2047, 512, "fn"),
+    (9, 64, "ref"), (64, 64, "ref"), (65, 64, "fn"),
 ])
 def test_decode_rows_only_runs_the_backend_op_above_the_tuned_rows(monkeypatch, rows, above, runs):
     monkeypatch.setattr(reference, "qkv_proj", lambda x, w: "ref")
