@@ -7,7 +7,8 @@ sequences at once): stock vs patched aggregate tok/s through the benchmark engin
 
 Per model and B: ppN xB (B prompts of N tokens / time to every row's first token) and tgG @N xB
 (the B x G tokens after the first / their time). Patched, every decode step of up to 8 rows is
-the fused CUDA step over StaticBatchKVCaches. Writes OUT.md and OUT.json.
+the fused CUDA step over StaticBatchKVCaches; steps of 9-64 rows run the composed fused ops with
+the tensor-core qmm. Writes OUT.md and OUT.json (after every row).
 """
 
 import argparse
@@ -30,7 +31,7 @@ def main():
     a = ap.parse_args()
     prompts = [int(p) for p in a.prompts.split(",")]
     batches = [int(b) for b in a.batches.split(",")]
-    results = []
+    results, text = [], ""
     for name in a.models.split(","):
         model = synthetic_model(name, bits=4)
         for B in batches:

@@ -1,5 +1,5 @@
 """GEMMs of more than 8 rows on MLX's CUDA backend: TFLOP/s of stock quantized_matmul, of our
-tensor-core quantised matmul (backends/cuda/qmm.py, up to QMM_MAX_M rows), of the prefill path
+tensor-core quantised matmul (backends/cuda/qmm.py, up to QMM_BENCH_MAX_M rows), of the prefill path
 (weights dequantised per call + dense matmul, backends/cuda/prefill.py) and of a dense bf16 matmul
 on a weight dequantised beforehand (the tensor cores' ceiling for the shape); the weight read of our
 matmul in GB/s (the decode-like rows are bandwidth-bound: against the copy bandwidth, ~2.9 TB/s).
@@ -27,7 +27,7 @@ from mlx_fastops.bench import machine
 from mlx_fastops.ops.weights import PackedLinear
 
 CALLS = 4
-QMM_MAX_M = 2048
+QMM_BENCH_MAX_M = 2048
 # (label, K, N): the projections of the benchmark models (qkv and gate/up stacked)
 SHAPES = [("0.6B gate/up", 1024, 6144), ("0.6B down", 3072, 1024), ("4B qkv", 2560, 6144), ("4B gate/up", 2560, 19456), ("4B down", 9728, 2560),
           ("8B qkv", 4096, 6144), ("8B gate/up", 4096, 24576), ("8B down", 12288, 4096),
@@ -55,7 +55,7 @@ def case(label, K, N, M, reps):
     flop = 2 * M * N * K
     row = {"shape": label, "K": K, "N": N, "M": M}
     for name, fn in (("stock", stock), ("qmm", tensor_cores), ("dequantised", dequantised), ("dense", ceiling)):
-        if name == "qmm" and M > QMM_MAX_M:
+        if name == "qmm" and M > QMM_BENCH_MAX_M:
             continue
         t = timed(fn, reps)
         row[name] = flop / t / 1e12

@@ -68,17 +68,7 @@
 #endif
     return d;
 #else
-    unsigned d = 0;
-    for (int i = 0; i < 2; ++i) {
-      T ta, tb, tc;
-      const unsigned short ba = a >> (16 * i), bb = b >> (16 * i), bc = c >> (16 * i);
-      memcpy(&ta, &ba, 2); memcpy(&tb, &bb, 2); memcpy(&tc, &bc, 2);
-      const T r = static_cast<T>(fmaf(static_cast<float>(ta), static_cast<float>(tb), static_cast<float>(tc)));
-      unsigned short br;
-      memcpy(&br, &r, 2);
-      d |= static_cast<unsigned>(br) << (16 * i);
-    }
-    return d;
+    return ::cuemu::fma2<T>(a, b, c);
 #endif
   };
   auto bits2 = [](T v) {   // (v, v) as one register

@@ -80,7 +80,7 @@ class KernelError(RuntimeError):
 
 def _compile(code):
     CACHE.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha1(code.encode() + (HERE / "cuda_compat.h").read_bytes()).hexdigest()[:16]
+    key = hashlib.sha1(code.encode() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))).hexdigest()[:16]
     so = CACHE / f"k_{key}.so"
     if not so.exists():
         src = CACHE / f"k_{key}.cpp"

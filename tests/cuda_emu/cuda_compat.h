@@ -2,7 +2,7 @@
 //
 // Every thread is a cooperative fiber (ucontext) on one OS thread. Up to WINDOW blocks are resident
 // at once; blocks start in index order as earlier ones finish, as on a GPU. A thread runs until it
-// reaches __syncthreads, a warp collective (__shfl_xor_sync, __syncwarp), __nanosleep (a spin loop
+// reaches __syncthreads, a warp collective (__shfl_xor_sync, __syncwarp, mma.sync), __nanosleep (a spin loop
 // waiting for another block: it lets the others run) or its end. When no thread can run, the
 // scheduler completes the collectives whose lanes have all arrived, the barriers of blocks whose
 // live threads all wait at them, retires finished blocks and starts new ones, and reports a
@@ -182,51 +182,7 @@ struct __nv_bfloat16 {
 };
 using __half = _Float16;
 
-namespace cuemu {
-
-// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16} as a warp collective: d += A (16 x 16) B (16 x 8),
-// E = the element type. Fragments as the PTX ISA lays them out (lane l: group g = l / 4, c = l % 4;
-// the lower 16 bits of a register hold the lower-indexed element):
-//   A a[0] (g, 2c..2c+1)  a[1] (g+8, 2c..)  a[2] (g, 2c+8..)  a[3] (g+8, 2c+8..)     (row, k)
-//   B b[0] (2c..2c+1, g)  b[1] (2c+8.., g)                                          (k, column)
-//   D d[0..1] (g, 2c..2c+1)  d[2..3] (g+8, 2c..2c+1)                                (row, column)
-// Each lane gathers its two rows of A and two columns of B with shuffles; products are exact in
-// float and summed in k order (a GPU's accumulation order is its own: results agree to rounding).
-template <typename E>
-inline float mma_elem(unsigned reg, int hi) {
-  const uint16_t bits = (uint16_t)(hi ? reg >> 16 : reg & 0xFFFFu);
-  E e;
-  std::memcpy(&e, &bits, 2);
-  return (float)e;
-}
-
-template <typename E>
-inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  const int lane = (int)(S().lanes[S().cur].tid.x & 31), g = lane >> 2, c = lane & 3;
-  float A[2][16], B[2][16];
-  for (int src = 0; src < 4; ++src)
-    for (int r = 0; r < 4; ++r) {
-      const unsigned v = __shfl_sync(0xffffffffu, a[r], g * 4 + src);
-      const int k = 2 * src + 8 * (r >> 1);
-      A[r & 1][k] = mma_elem<E>(v, 0);
-      A[r & 1][k + 1] = mma_elem<E>(v, 1);
-    }
-  for (int j = 0; j < 2; ++j)
-    for (int src = 0; src < 4; ++src)
-      for (int r = 0; r < 2; ++r) {
-        const unsigned v = __shfl_sync(0xffffffffu, b[r], (2 * c + j) * 4 + src);
-        const int k = 2 * src + 8 * r;
-        B[j][k] = mma_elem<E>(v, 0);
-        B[j][k + 1] = mma_elem<E>(v, 1);
-      }
-  for (int e = 0; e < 4; ++e) {
-    float acc = d[e];
-    for (int k = 0; k < 16; ++k) acc += A[e >> 1][k] * B[e & 1][k];
-    d[e] = acc;
-  }
-}
-
-}  // namespace cuemu
+#include "cuda_mma.h"   // mma.sync and packed half FMAs, from the shuffles above
 
 namespace cuemu {
 
