@@ -12,6 +12,7 @@ On a GPU: `pytest -m cuda`; elsewhere through the CPU emulator of tests/cuda_emu
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cuda_factory
 
 from mlx_fastops import kernels
 from mlx_fastops.backends.cuda import qmm
@@ -20,17 +21,17 @@ from mlx_fastops.ops.weights import PackedLinear
 pytestmark = [pytest.mark.cuda]
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
 ULP = {F16: 2 ** -10, BF16: 2 ** -7}
-ON_GPU = mx.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def cuda_or_emulator():
-    if ON_GPU:
-        yield
+@pytest.fixture
+def on_gpu():
+    """Whether the kernels run on a GPU (else through the CPU emulator, for the test's duration)."""
+    factory, gpu = cuda_factory()
+    if gpu:
+        yield True
         return
-    import cuda_emu
-    with kernels.use_cuda_factory(cuda_emu.cuda_kernel):
-        yield
+    with kernels.use_cuda_factory(factory):
+        yield False
 
 
 def to64(a):
@@ -67,7 +68,7 @@ CASES = [  # M, K, N, bits, group, dtype, epi, bias
 
 
 @pytest.mark.parametrize("M,K,N,bits,gs,dtype,epi,bias", CASES)
-def test_qmm_matches_its_weights_in_float64(M, K, N, bits, gs, dtype, epi, bias):
+def test_qmm_matches_its_weights_in_float64(M, K, N, bits, gs, dtype, epi, bias, on_gpu):
     wq, s, b = mx.quantize(mx.random.normal((N, K)) * 0.5, group_size=gs, bits=bits)
     w = PackedLinear(wq, s.astype(dtype), b.astype(dtype),
                      (0.1 * mx.random.normal((N,))).astype(dtype) if bias else None, (N,), K, bits, gs)
@@ -76,7 +77,7 @@ def test_qmm_matches_its_weights_in_float64(M, K, N, bits, gs, dtype, epi, bias)
     assert out.shape == exact.shape and np.isfinite(out).all()
     err = np.abs(out - exact).max() / np.abs(exact).max()
     assert err < 4 * ULP[dtype], err
-    if not ON_GPU:   # the GPU's tensor cores add in their own order
+    if not on_gpu:   # the GPU's tensor cores add in their own order
         same = float((out == exact).mean())
         assert same > 0.99, same
 
