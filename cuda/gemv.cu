@@ -429,76 +429,7 @@
   if (!s_last) return;
   __threadfence();
 
-  __shared__ float s_y[M][D];
-  for (int e = threadIdx.x; e < M * D; e += NW * 32) {
-    const int m = e / D, d = e % D;
-    s_y[m][d] = __ldcg(ys + (size_t)m * N + hb * D + d);
-  }
-  __syncthreads();
-  const int kind = hb < H ? 0 : (hb < H + HKV ? 1 : 2);   // q, k, v
-  const int head = kind == 0 ? hb : (kind == 1 ? hb - H : hb - H - HKV);
-  const int pos0 = off[0];
-  if (kind < 2) {
-    // one warp per activation row: (norm) + rope
-    for (int m = warp; m < M; m += NW) {
-      const int b = m / L, l = m % L;
-#ifdef LEFT_PAD
-      const int pos = pos0 + l - lp[b];   // RoPE at the row's own position (its cache offset)
-#else
-      const int pos = pos0 + l;
-#endif
-#if HAS_QKNORM
-      {
-        float ssq = 0.f;
-        for (int d = lane; d < D; d += 32) ssq += s_y[m][d] * s_y[m][d];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
-        const float inv = rsqrtf(ssq / D + (kind == 0 ? QEPS : KEPS));
-        const T* nwt = kind == 0 ? qn : kn;
-        __syncwarp();
-        for (int d = lane; d < D; d += 32) {
-          const T nv = static_cast<T>(s_y[m][d] * inv);
-          s_y[m][d] = static_cast<float>(static_cast<T>(static_cast<float>(nwt[d]) * static_cast<float>(nv)));
-        }
-        __syncwarp();
-      }
-#endif
-      T* dst;
-      if (kind == 0) {
-        dst = yq + (((size_t)b * L + l) * H + head) * D;
-      } else {
-#ifdef LEFT_PAD
-        dst = const_cast<T*>(kc) + b * kc_strides[0] + head * kc_strides[1] + (pos0 + l) * kc_strides[2];
-#else
-        dst = const_cast<T*>(kc) + b * kc_strides[0] + head * kc_strides[1] + pos * kc_strides[2];
-#endif
-      }
-      constexpr int HALF = D / 2;
-      for (int i = lane; i < HALF; i += 32) {
-#if ROPE_FREQS
-        const float inv_freq = static_cast<float>(1.0 / static_cast<double>(rf[i]));
-#else
-        const float dd = static_cast<float>(i) / static_cast<float>(HALF);
-        const float inv_freq = exp2f(-dd * ROPE_LOG2_BASE);
-#endif
-        const float theta = ROPE_SCALE * static_cast<float>(pos) * inv_freq;
-        const float cs = cosf(theta), sn = sinf(theta);
-#if ROPE_TRAD
-        const int i1 = 2 * i, i2 = 2 * i + 1;
-#else
-        const int i1 = i, i2 = i + HALF;
-#endif
-        const float x1 = s_y[m][i1], x2 = s_y[m][i2];
-        dst[i1] = static_cast<T>(x1 * cs - x2 * sn);
-        dst[i2] = static_cast<T>(x1 * sn + x2 * cs);
-      }
-    }
-  } else {
-    for (int e = threadIdx.x; e < M * D; e += NW * 32) {
-      const int m = e / D, d = e % D;
-      const int b = m / L, l = m % L;
-      const_cast<T*>(vc)[b * vc_strides[0] + head * vc_strides[1] + (pos0 + l) * vc_strides[2] + d] =
-          static_cast<T>(s_y[m][d]);
-    }
-  }
+  const int row0 = 0;
+  auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)m * N + hb * D + d); };
+#include "head.cuh"
 #endif

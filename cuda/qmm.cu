@@ -19,10 +19,12 @@
 //
 // Epilogues (EPI), the stock rounding points:
 //   0 plain    y[m, n] = T(acc)                 (+ bias: T(T(acc) + bias[n]))
+//   1 residual y[m, n] = T(res[m, n] + T(acc))  (o_proj / down_proj + the residual add)
 //   2 swiglu   y[m, j] = T(T(T(g) * T(sigmoid(g))) * T(acc_up)), g = T(acc_gate), gate row j, up row j + N/2
 //
 // Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS.
-// Inputs: x [M, K] (K a multiple of KC), w [N, K*BITS/32] uint32, sc / bi [N, K/GS], [bias [N]].
+// Inputs: x [M, K] (K a multiple of KC), w [N, K*BITS/32] uint32, sc / bi [N, K/GS], [bias [N]],
+// [res [M, N] (EPI 1)].
 // Output: y [M, N] (EPI 2: [M, N/2]).
 
   constexpr int EPT = BITS == 4 ? 32 : 16;   // k per lane per chunk: one uint4 per weight row
@@ -217,6 +219,9 @@
     T out = static_cast<T>(v);
 #if HAS_BIAS
     out = static_cast<T>(static_cast<float>(out) + static_cast<float>(bias[n]));
+#endif
+#if EPI == 1
+    out = static_cast<T>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(out));
 #endif
     y[(size_t)m * N + n] = out;
 #endif

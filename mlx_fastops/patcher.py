@@ -304,7 +304,10 @@ def _plan(state, journal):
     for i, block in enumerate(decoder_layers(state.text)):
         if state.owns(block):
             p.block(f"layers.{i}", block)
-    return report, p.head(state.text), p.switched_off()
+    off = p.switched_off()
+    if p.prefill_above is not None:
+        off = off | {"prefill"}   # the tuner kept stock for 9+ rows: the decode path's 9+ rows too
+    return report, p.head(state.text), off
 
 
 class _Head:

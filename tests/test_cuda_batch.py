@@ -4,9 +4,10 @@ out) and rows joining the running batch (prefill, then extend), patched against 
 
 On the reference path in float32 patched equals stock bit for bit. With the CUDA backend (the GPU
 under `pytest -m cuda`, else the CPU emulator of tests/cuda_emu) the batch's caches are
-StaticBatchKVCaches and every decode step of at most MAX_ROWS rows runs the fused decode step; the
-steps of more rows, and prompt chunks, the composed fused ops. There stock, patched and the float32
-oracle are teacher-forced along stock's tokens and judged by mlx_fastops.fidelity.judge.
+StaticBatchKVCaches and every decode step of at most QMM_MAX_ROWS rows runs the fused decode step
+(up to MAX_ROWS rows the one-launch layers, more FastBlock.wide's launches); prompt chunks the
+composed fused ops. There stock, patched and the float32 oracle are teacher-forced along stock's
+tokens and judged by mlx_fastops.fidelity.judge.
 """
 
 import mlx.core as mx
@@ -18,6 +19,8 @@ from conftest import cuda_factory
 from decoding import batch_generator_run
 from mlx_fastops import fidelity, kernels, synthetic_model
 from mlx_fastops.backends.cuda import step as cuda_step
+from mlx_fastops.backends.cuda.block import FastBlock
+from mlx_fastops.backends.cuda.qmm import QMM_MAX_ROWS
 from mlx_fastops.backends.cuda.source import MAX_ROWS
 
 ON_GPU = mx.cuda.is_available()
@@ -27,8 +30,11 @@ CASES = [
     ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1)),                     # a longer row joins a running one
     ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0)),           # the cache grows past 256 while batched
     ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1)),   # the longest leaves first: shift
+    # qwen3-tiny's hidden size (192) is not in qmm's chunks: 9+ rows take the composed ops
     ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9),
-    ("qwen3-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,)),
+    # qwen2-tiny's are: 9+ rows take the step's FastBlock.wide (qmm, with the QKV bias)
+    ("qwen2-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,)),
+    ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,)),
 ]
 IDS = [f"{c[0]}-B{c[1]}" for c in CASES]
 
@@ -87,8 +93,14 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, cuda_o
             fast.append(x.shape[:2])
         return _launch(blocks, x, *args)
 
+    def wide(fb, x, *args, _wide=FastBlock.wide):
+        if first and fb is first[0]:
+            fast.append(x.shape[:2])
+        return _wide(fb, x, *args)
+
     monkeypatch.setattr(GenerationBatch, "_step", decode_step)
     monkeypatch.setattr(cuda_step, "layers_launch", launch)
+    monkeypatch.setattr(FastBlock, "wide", wide)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B)
     prompts = _prompts(lengths, model.args.vocab_size)
     ref, stock = batch_generator_run(model, prompts, max_tokens, join_at)
@@ -97,16 +109,18 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, cuda_o
     try:
         assert any(e.fusion == "compile" and e.status == "fused" for e in report.entries), str(report)
         first.append(model.model._fastops_blocks[0])
+        max_rows = model.model._fastops_step.max_rows
         _, patched = batch_generator_run(model, prompts, max_tokens, join_at, forced=ref)
     finally:
         mlx_fastops.unpatch(model)
-    decoded = [(n, 1) for n in sizes if n <= MAX_ROWS]
+    assert max_rows == (QMM_MAX_ROWS if name == "qwen2-tiny" else MAX_ROWS), max_rows
+    decoded = [(n, 1) for n in sizes if n <= max_rows]
     oracle_model = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B))
     _, oracle = batch_generator_run(oracle_model, prompts, max_tokens, join_at, forced=ref)
     steps = [s for s in fast if s[1] == 1]
-    # every decode step of at most MAX_ROWS rows took the fused step (traced once per shape on a GPU)
+    # every decode step of at most max_rows rows took the fused step (traced once per shape on a GPU)
     assert (set(steps) == set(decoded)) if ON_GPU else (steps == decoded), (steps, sizes)
-    assert all(n * L <= MAX_ROWS for n, L in fast)
+    assert all(n * L <= max_rows for n, L in fast)
     verdict = fidelity.judge(*(mx.array(np.concatenate(a)) for a in (stock, patched, oracle)))
     print(f"{name} B={B}: decode rows per step {sizes}; stock {verdict['stock']}, patched {verdict['patched']}")
     assert not verdict["problems"], verdict["problems"]

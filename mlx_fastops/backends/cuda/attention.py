@@ -49,16 +49,21 @@ def head_subgroup(G):
 
 
 @cached_builder
-def _attn_kernel(dtype, L, H, HKV, D, scale, gb):
-    src = source("attention.cu", attn_defines(L, H, HKV, D, scale, gb), dtype)
-    return cuda_kernel(name=kernel_name("attn", src), input_names=["q", "kc", "vc", "off", "cnt"],
+def _attn_kernel(dtype, L, H, HKV, D, scale, gb, lpad):
+    d = attn_defines(L, H, HKV, D, scale, gb)
+    if lpad:
+        d["LEFT_PAD"] = 1
+    src = source("attention.cu", d, dtype)
+    names = ["q", "kc", "vc", "off"] + (["lp"] if lpad else []) + ["cnt"]
+    return cuda_kernel(name=kernel_name("attn", src), input_names=names,
                        output_names=["o", "pm", "po"], source=src, ensure_row_contiguous=False)
 
 
-def attention(q, kc, vc, off, scale, cnt=None, gb=None):
+def attention(q, kc, vc, off, scale, cnt=None, gb=None, lp=None):
     """q [B, L, H, D] (contiguous), kc/vc [B, HKV, S, D] cache buffers (read by strides; last axis
     contiguous), off int32[OFF_WORDS] (positions before this step in [0]) -> [B, L, H, D].
-    cnt: int32 tickets, at least B*L*H, all zero (left zero). gb: query heads per block."""
+    cnt: int32 tickets, at least B*L*H, all zero (left zero). gb: query heads per block. lp: a
+    batch cache's left padding (int32 per row, at least PAD_WORDS): row b attends from lp[b]."""
     B, L, H, D = q.shape
     HKV, S = kc.shape[1], kc.shape[2]
     G = H // HKV
@@ -68,9 +73,10 @@ def attention(q, kc, vc, off, scale, cnt=None, gb=None):
         # Calls from unrelated places may run concurrently in one CUDA graph: fresh tickets each
         # (a tiny fill kernel that the attention waits for).
         cnt = mx.zeros((max(rows * G // gb, 4),), dtype=mx.int32)
-    kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale), gb)
+    kern = _attn_kernel(q.dtype, L, H, HKV, D, float(scale), gb, lp is not None)
     nsplit, partials = attn_partials(rows, S, G, gb, D)
-    o, _, _ = kern(inputs=[q, kc, vc, off, cnt], output_shapes=[(B, L, H, D), *partials],
+    inputs = [q, kc, vc, off] + ([lp] if lp is not None else []) + [cnt]
+    o, _, _ = kern(inputs=inputs, output_shapes=[(B, L, H, D), *partials],
                    output_dtypes=[q.dtype, mx.float32, mx.float32],
                    grid=(nsplit * ATTN_WARPS * 32, HKV * G // gb, B * L), threadgroup=(ATTN_WARPS * 32, 1, 1))
     return o

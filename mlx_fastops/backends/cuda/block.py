@@ -1,4 +1,5 @@
-"""FastBlock: one decoder block's fused decode path (layer.py's launch over a StaticKVCache)."""
+"""FastBlock: one decoder block's fused decode path: for up to MAX_ROWS rows layer.py's one launch,
+for up to QMM_MAX_ROWS rows (batched decode of 9-64 sequences) eight launches (`wide`)."""
 
 import math
 
@@ -6,9 +7,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...ops.weights import PackedLinear, adapter_of
-from .attention import MAX_GQA, head_subgroup
+from .attention import MAX_GQA, attention, head_subgroup
 from .cache import StaticKVCache
+from .head import head_rows
 from .layer import LAYER_GROUPS, layers_launch
+from .qmm import QMM_MAX_ROWS, qmm, takes_weight
 from .source import HALF, MAX_ROWS, offset_array, tickets
 
 # Several layers per launch (step.launch_runs) win on small layers (Qwen3-0.6B 15M weights per
@@ -66,6 +69,10 @@ class FastBlock:
         self._counters = {}   # layer launches' group counters, per layers per launch
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
         self.gb = head_subgroup(self.H // self.HKV)   # query heads per attention block
+        # `wide` takes 9-64 rows where qmm takes all four weights
+        self.wide_rows = QMM_MAX_ROWS if all(takes_weight(w, self.dtype) for w in (self.qkv, self.o, self.gate_up,
+                                                                                  self.down)) else MAX_ROWS
+        self.wide_tickets = tickets(QMM_MAX_ROWS * self.H) if self.wide_rows > MAX_ROWS else None
         self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
@@ -122,6 +129,23 @@ class FastBlock:
         output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
         into kc/vc in place, after the kernel that output `after` (the previous reader)."""
         return layers_launch([self], x, off, [(kc, vc, after)])
+
+    def wide(self, x, off, kc, vc, after, lp=None):
+        """core() for MAX_ROWS < B * L <= wide_rows: input RMSNorm, QKV on tensor cores (qmm), q/k
+        norm + RoPE + the k/v cache write (head.cu), attention (attention.cu), o_proj + residual
+        (qmm), post-attention RMSNorm, gate/up + SiLU (qmm), down + residual (qmm): the composed
+        ops' rounding points, eight launches. lp: a batch cache's left padding."""
+        B, L, _ = x.shape
+        head = self.head + (("L", L),) + ((("lpad", True),) if lp is not None else ())
+        arrays = dict(off=off, lp=lp, kc=kc, vc=vc, after=after)
+        if self.qknorm:
+            arrays["qn"], arrays["kn"] = self.qk
+        if self.rf:
+            arrays["rf"] = self.rf[0]
+        q = head_rows(qmm(mx.fast.rms_norm(x, *self.in_norm), self.qkv), head, arrays)
+        o = attention(q, kc, vc, off, self.scale, cnt=self.wide_tickets, gb=self.gb, lp=lp)
+        h = qmm(o.reshape(B, L, -1), self.o, epi=1, res=x)
+        return qmm(qmm(mx.fast.rms_norm(h, *self.post_norm), self.gate_up, epi=2), self.down, epi=1, res=h), o
 
     def layer_counters(self, nlayers):
         """Zeroed group counters of a launch of nlayers layers led by this block (left zero)."""

@@ -102,11 +102,17 @@ def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head
     if eps is not None:
         d["EPS"] = flt(eps)
     if head is not None:
-        d.update(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
-                 QEPS=flt(head["qeps"]), KEPS=flt(head["keps"]), ROPE_TRAD=head["trad"],
-                 ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=flt(head["log2_base"]), ROPE_SCALE=flt(head["scale"]))
-        if head.get("lpad"):
-            d["LEFT_PAD"] = 1
+        d.update(head_defines(head))
+    return d
+
+
+def head_defines(head):
+    """#defines of the head epilogue (cuda/head.cuh) for a FastBlock's head description + L, lpad."""
+    d = dict(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
+             QEPS=flt(head["qeps"]), KEPS=flt(head["keps"]), ROPE_TRAD=head["trad"],
+             ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=flt(head["log2_base"]), ROPE_SCALE=flt(head["scale"]))
+    if head.get("lpad"):
+        d["LEFT_PAD"] = 1
     return d
 
 

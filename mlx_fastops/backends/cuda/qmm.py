@@ -3,7 +3,7 @@ than MAX_ROWS, at most QMM_MAX_ROWS (batched decode of 9-64 sequences, speculati
 short prompts). More rows go to stock quantized_matmul, and from PREFILL_MIN_ROWS to the prefill
 path (prefill.py).
 
-    y = x @ (s * q + b)^T  (+ bias)          EPI 2: swiglu(gate rows, up rows)
+    y = x @ (s * q + b)^T  (+ bias)          EPI 1: res + that;  EPI 2: swiglu(gate rows, up rows)
 
 On these rows a GEMM is a weight read: MLX's quantized_matmul reaches 1-81 TFLOP/s on the H200,
 dequantise + dense matmul less (benchmarks/results/cuda_prefill.md). Here one weight read serves
@@ -27,11 +27,15 @@ def chunk_k(bits):
 
 
 def takes(x, w):
-    """Whether the kernel takes x @ w: up to QMM_MAX_ROWS rows, 4/8-bit weights, half activations
-    in the scales' dtype, K in whole chunks (Qwen3, Llama and Qwen2 hidden and intermediate sizes
-    are)."""
-    return (rows(x) <= QMM_MAX_ROWS and w.quantized and w.bits in (4, 8) and w.group_size in (32, 64, 128) and x.dtype in HALF
-            and x.dtype == w.scales.dtype and x.shape[-1] % chunk_k(w.bits) == 0)
+    """Whether the kernel takes x @ w: up to QMM_MAX_ROWS rows of a dtype `takes_weight` takes."""
+    return rows(x) <= QMM_MAX_ROWS and takes_weight(w, x.dtype)
+
+
+def takes_weight(w, dtype):
+    """Whether the kernel takes w for activations of `dtype`: 4/8-bit weights, half activations in
+    the scales' dtype, K in whole chunks (Qwen3, Llama and Qwen2 hidden and intermediate sizes are)."""
+    return (w.quantized and w.bits in (4, 8) and w.group_size in (32, 64, 128) and dtype in HALF
+            and dtype == w.scales.dtype and w.in_features % chunk_k(w.bits) == 0)
 
 
 def qmm_config(M, K, NOUT, bits, epi):
@@ -50,22 +54,25 @@ def qmm_config(M, K, NOUT, bits, epi):
 def _qmm_build(dtype, bits, gs, MT, NW, epi, bias):
     d = dict(BITS=bits, GS=gs, MT=MT, NW=NW, EPI=epi, HAS_BIAS=bias, MMA_BF16=dtype == mx.bfloat16)
     src = source("qmm.cu", d, dtype)
-    names = ["x", "w", "sc", "bi"] + (["bias"] if bias else [])
+    names = ["x", "w", "sc", "bi"] + (["bias"] if bias else []) + (["res"] if epi == 1 else [])
     return cuda_kernel(name=kernel_name("qmm", src), input_names=names, output_names=["y"], source=src,
                        ensure_row_contiguous=True)
 
 
-def qmm(x, w, epi=0):
-    """x [..., K] @ W^T (+ bias) (epi 0), or swiglu of the stacked gate/up rows (epi 2), for a
-    quantised PackedLinear that `takes` x."""
+def qmm(x, w, epi=0, res=None):
+    """x [..., K] @ W^T (+ bias) (epi 0; with res [..., N], epi 1: res + that), or swiglu of the
+    stacked gate/up rows (epi 2), for a quantised PackedLinear that `takes` x."""
     M, K, N = rows(x), x.shape[-1], w.weight.shape[0]
     nout = N // 2 if epi == 2 else N
     if epi == 2 and w.bias is not None:
         raise ValueError("qmm: no bias on gate/up (unsupported_gate_up_silu refuses it)")
+    if (epi == 1) != (res is not None):
+        raise ValueError("qmm: a residual goes with epi 1, and only with it")
     bias = w.bias is not None
     MT, NW, bx, by = qmm_config(M, K, nout, w.bits, epi)
     kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, epi, bias)
     inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
+    inputs += [res.reshape(M, N)] if epi == 1 else []
     y = kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[x.dtype],
              grid=(bx * NW * 32, by, 1), threadgroup=(NW * 32, 1, 1))[0]
     return y.reshape(*x.shape[:-1], nout)

@@ -2,11 +2,13 @@
 int32 buffers (tickets, cache offsets) the kernels take.
 
 A kernel's source is its #defines (the static shape class and model constants), the T alias, then
-the file's body with the conditionals those defines decide cut down (kernels.resolve_conditionals):
-MLX hashes the whole source at every launch, so what reaches it is as short as it can be.
+the file's body (its `#include "x.cuh"` lines replaced by cuda/x.cuh) with the conditionals those
+defines decide cut down (kernels.resolve_conditionals): MLX hashes the whole source at every
+launch, so what reaches it is as short as it can be.
 """
 
 import hashlib
+import re
 
 import mlx.core as mx
 
@@ -22,6 +24,7 @@ STANDALONE = dict(BLOCK_X="blockIdx.x", BLOCK_Y="blockIdx.y", BLOCK_Z="blockIdx.
 # Features a kernel has where the wrapper defines them, and lacks otherwise: an `#ifdef` on one that
 # is not defined is cut here, so a kernel without the feature has the source it had before it.
 FLAGS = ("LEFT_PAD",)
+_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 
 def source(filename, defines, dtype):
@@ -30,7 +33,8 @@ def source(filename, defines, dtype):
     lines = [f"#define {k} {int(v) if isinstance(v, bool) else v}" for k, v in defines.items()]
     lines.append(f"using T = {CTYPE[dtype]};")
     undefined = [f for f in FLAGS if f not in defines]
-    return "\n".join(lines) + "\n" + resolve_conditionals(read_source("cuda", filename), defines, undefined)
+    body = _INCLUDE.sub(lambda m: read_source("cuda", m.group(1)), read_source("cuda", filename))
+    return "\n".join(lines) + "\n" + resolve_conditionals(body, defines, undefined)
 
 
 def kernel_name(kind, src):

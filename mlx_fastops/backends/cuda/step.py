@@ -4,9 +4,11 @@
 has a FastBlock, the model's make_cache returns StaticKVCaches and model.model's class is swapped
 for one whose decode call (B * L <= MAX_ROWS tokens over those caches) is one compiled function:
 embedding, the layer launches (consecutive small layers sharing one: launch_runs), final norm.
+Up to QMM_MAX_ROWS tokens (batched decode of 9-64 sequences) the same function runs each layer as
+FastBlock.wide's eight launches (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
 mlx-lm's BatchGenerator merges those caches into StaticBatchKVCaches (left-padded rows, one write
 index), which the same step takes (the kernels given each row's left padding); anything else,
-and more than MAX_ROWS rows, takes the composed fused ops.
+and more rows, takes the composed fused ops.
 The step also computes the next cache offset on the GPU (a host-made offset array faults once on
 first use: source.OFF_WORDS).
 
@@ -36,7 +38,7 @@ FAST_PATH_PARTS = ("qkv", "gate_up", "attention", "qk_norm_rope", "residual_norm
 def _compiled_call(self, inputs, cache=None, input_embeddings=None):
     step = self.__dict__.get("_fastops_step")
     if (step is not None and input_embeddings is None and cache is not None and inputs.ndim == 2
-            and inputs.shape[0] * inputs.shape[1] <= MAX_ROWS):
+            and inputs.shape[0] * inputs.shape[1] <= step.max_rows):
         watch, layers = step.watch, dict.__getitem__(self, "layers")
         if (not watch.fast or len(layers) != len(step.owners)
                 or not all(map(operator.is_, layers, step.owners))):
@@ -79,8 +81,8 @@ class _Step:
     model's layers while it is valid), and their Watch. A copy of the model gets none: its Watch
     is stale and rebuilds the step from the copy's own arrays."""
 
-    def __init__(self, fn, blocks, watch):
-        self.fn, self.blocks, self.watch = fn, blocks, watch
+    def __init__(self, fn, blocks, watch, max_rows):
+        self.fn, self.blocks, self.watch, self.max_rows = fn, blocks, watch, max_rows
         self.owners = [fb.owner for fb in blocks]
 
     def __deepcopy__(self, memo):
@@ -111,9 +113,10 @@ def _inner(model):
     return model.get("language_model", model).get("model")
 
 
-def _compile_step(model, fasts):
+def _compile_step(model, fasts, wide):
     """The class swap of the decoder stack for one whose decode step is one mx.compile'd
-    function: ((obj, stock class, fast class, _Step), note), or (None, reason)."""
+    function: ((obj, stock class, fast class, _Step), note), or (None, reason). wide: whether the
+    step takes more than MAX_ROWS rows where every block's `wide` does."""
     inner = _inner(model)
     if inner is None or "embed_tokens" not in inner or "norm" not in inner:
         return None, "no inner model with embed_tokens/norm"
@@ -134,9 +137,14 @@ def _compile_step(model, fasts):
         if h.dtype != dtype:
             h = h.astype(dtype)
         readers = []
-        for i, n in runs:
-            h, o = layers_launch(fasts[i:i + n], h, off, layer_bufs[i:i + n])
-            readers += [o] * n
+        if tokens.size > MAX_ROWS:
+            for fb, b in zip(fasts, layer_bufs):
+                h, o = fb.wide(h, off, *b)
+                readers.append(o)
+        else:
+            for i, n in runs:
+                h, o = layers_launch(fasts[i:i + n], h, off, layer_bufs[i:i + n])
+                readers += [o] * n
         return [norm(h), off + tokens.shape[1], *readers]
 
     base = type(inner)
@@ -145,7 +153,11 @@ def _compile_step(model, fasts):
         cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,),
                                           {"__call__": _compiled_call, "_fastops_base": base})
     launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
-    return (inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch)), f"{len(fasts)} layers in {launches}"
+    max_rows = min(fb.wide_rows for fb in fasts) if wide else MAX_ROWS
+    rows = (f"; {MAX_ROWS + 1}-{max_rows} rows: 8 launches a layer" if max_rows > MAX_ROWS else
+            f"; over {MAX_ROWS} rows the composed ops ({'prefill off' if not wide else 'a weight qmm does not take'})")
+    return ((inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch, max_rows)),
+            f"{len(fasts)} layers in {launches}{rows}")
 
 
 class Installed:
@@ -192,7 +204,7 @@ class CudaDecodePath(DecodePath):
         elif any(f is None for f in fasts):
             step, row = None, ("compile", "skipped", "not every block has the fast path")
         else:
-            step, note = _compile_step(model, fasts)
+            step, note = _compile_step(model, fasts, "prefill" not in disabled)
             row = ("compile", "fused" if step else "skipped", note)
         installed = Installed(model, make_cache, step)
         installed.restore()
