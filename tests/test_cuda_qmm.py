@@ -2,8 +2,8 @@
 give it (tests/test_ops.py covers 9-64 rows through the ops): several token tiles along the grid's
 y, K split over 1-8 warps (with chunks left over), rows past N in the last block. The exact value
 is x @ W^T in float64 with W the weights as the kernel feeds the tensor cores (s * q + b rounded
-once to the dtype), rounded where the kernel rounds (the GEMV's points: T(acc), + bias, the swiglu
-steps): only the summation order differs, so within a few units in the last place, and in the
+once to the dtype), rounded where the kernel rounds (the GEMV's points: T(acc), + bias, + residual,
+the swiglu steps): only the summation order differs, so within a few units in the last place, and in the
 emulator (float sums in k order) bit-identical almost everywhere.
 
 On a GPU: `pytest -m cuda`; elsewhere through the CPU emulator of tests/cuda_emu.
@@ -43,7 +43,7 @@ def rounded(a, dtype):
     return to64(mx.array(np.asarray(a, dtype=np.float32)).astype(dtype))
 
 
-def expected(x, w, dtype, epi):
+def expected(x, w, dtype, epi, res=None):
     fed = mx.dequantize(w.weight, w.scales.astype(F32), w.biases.astype(F32), group_size=w.group_size,
                         bits=w.bits).astype(dtype)   # s * q + b rounded once: what the mma reads
     acc = to64(x) @ to64(fed).T
@@ -53,7 +53,8 @@ def expected(x, w, dtype, epi):
         sg = rounded(1.0 / (1.0 + np.exp(-g)), dtype)
         return rounded(rounded(g * sg, dtype) * u, dtype)
     y = rounded(acc, dtype)
-    return y if w.bias is None else rounded(y + to64(w.bias), dtype)
+    y = y if w.bias is None else rounded(y + to64(w.bias), dtype)
+    return y if res is None else rounded(to64(res) + y, dtype)
 
 
 CASES = [  # M, K, N, bits, group, dtype, epi, bias
@@ -64,6 +65,8 @@ CASES = [  # M, K, N, bits, group, dtype, epi, bias
     (77, 128, 64, 4, 32, BF16, 2, False),      # swiglu, one chunk of K
     (20, 256, 48, 4, 32, F16, 2, False),       # swiglu in half
     (65, 512, 96, 8, 64, BF16, 2, False),      # swiglu, 8-bit, a second tile of 1 row
+    (33, 640, 80, 4, 64, BF16, 1, False),      # + residual (o_proj / down in FastBlock.wide)
+    (12, 256, 40, 8, 32, F16, 1, True),        # + bias + residual, 8-bit
 ]
 
 
@@ -73,7 +76,8 @@ def test_qmm_matches_its_weights_in_float64(M, K, N, bits, gs, dtype, epi, bias,
     w = PackedLinear(wq, s.astype(dtype), b.astype(dtype),
                      (0.1 * mx.random.normal((N,))).astype(dtype) if bias else None, (N,), K, bits, gs)
     x = mx.random.normal((M, K)).astype(dtype)
-    out, exact = to64(qmm.qmm(x, w, epi=epi)), expected(x, w, dtype, epi)
+    res = (4 * mx.random.normal((M, N))).astype(dtype) if epi == 1 else None
+    out, exact = to64(qmm.qmm(x, w, epi=epi, res=res)), expected(x, w, dtype, epi, res)
     assert out.shape == exact.shape and np.isfinite(out).all()
     err = np.abs(out - exact).max() / np.abs(exact).max()
     assert err < 4 * ULP[dtype], err
