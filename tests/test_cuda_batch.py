@@ -19,32 +19,36 @@ from conftest import cuda_factory
 from decoding import batch_generator_run
 from mlx_fastops import fidelity, kernels, synthetic_model
 from mlx_fastops.backends.cuda import step as cuda_step
+from mlx_fastops.backends.cuda import block as cuda_block
 from mlx_fastops.backends.cuda.block import FastBlock
 from mlx_fastops.backends.cuda.qmm import QMM_MAX_ROWS
 from mlx_fastops.backends.cuda.source import MAX_ROWS
 
 ON_GPU = mx.cuda.is_available()
 
-# (model, rows, prompt lengths, tokens each row generates, the step before which each row joins)
+# (model, rows, prompt lengths, tokens each row generates, the step before which each row joins,
+# the first row count through FastBlock.wide: 9 (small layers), 4 (large: GROUP_MAX_WEIGHTS set to 0),
+# None (qmm does not take the model's sizes))
 CASES = [
-    ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1)),                     # a longer row joins a running one
-    ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0)),           # the cache grows past 256 while batched
-    ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1)),   # the longest leaves first: shift
+    ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1), None),                   # a longer row joins a running one
+    ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0), None),         # the cache grows past 256 while batched
+    ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1), 9),   # the longest leaves first: shift
     # qwen3-tiny's hidden size (192) is not in qmm's chunks: 9+ rows take the composed ops
-    ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9),
+    ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9, None),
     # qwen2-tiny's are: 9+ rows take the step's FastBlock.wide (qmm, with the QKV bias)
-    ("qwen2-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,)),
-    ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,)),
+    ("qwen2-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,), 9),
+    ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,), 4),   # 4-8 rows too
 ]
 IDS = [f"{c[0]}-B{c[1]}" for c in CASES]
+ARGS = "name,B,lengths,max_tokens,join_at,first_wide"
 
 
 def _prompts(lengths, vocab):
     return [mx.random.randint(0, vocab, (n,), key=mx.random.key(n)).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("name,B,lengths,max_tokens,join_at", CASES, ids=IDS)
-def test_reference_path_bit_exact(name, B, lengths, max_tokens, join_at, monkeypatch):
+@pytest.mark.parametrize(ARGS, CASES, ids=IDS)
+def test_reference_path_bit_exact(name, B, lengths, max_tokens, join_at, first_wide, monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "reference")
     monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
     model = synthetic_model(name, bits=4)   # float32
@@ -75,13 +79,13 @@ def cuda_or_emulator():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name,B,lengths,max_tokens,join_at", CASES, ids=IDS)
-def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, cuda_or_emulator, monkeypatch):
+@pytest.mark.parametrize(ARGS, CASES, ids=IDS)
+def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_wide, cuda_or_emulator, monkeypatch):
     from mlx_lm.generate import GenerationBatch
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
-    sizes, fast = [], []   # rows of every decode step; (rows, tokens) of every fused decode step
+    sizes, fast = [], []   # rows of every decode step; (path, rows, tokens) of every fused decode step
     first = []             # the patched model's first FastBlock (its launches are the steps')
 
     def decode_step(batch, _step=GenerationBatch._step):
@@ -90,17 +94,19 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, cuda_o
 
     def launch(blocks, x, *args, _launch=cuda_step.layers_launch):
         if first and blocks[0] is first[0]:
-            fast.append(x.shape[:2])
+            fast.append(("launch", *x.shape[:2]))
         return _launch(blocks, x, *args)
 
     def wide(fb, x, *args, _wide=FastBlock.wide):
         if first and fb is first[0]:
-            fast.append(x.shape[:2])
+            fast.append(("wide", *x.shape[:2]))
         return _wide(fb, x, *args)
 
     monkeypatch.setattr(GenerationBatch, "_step", decode_step)
     monkeypatch.setattr(cuda_step, "layers_launch", launch)
     monkeypatch.setattr(FastBlock, "wide", wide)
+    if first_wide == 4:
+        monkeypatch.setattr(cuda_block, "GROUP_MAX_WEIGHTS", 0)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B)
     prompts = _prompts(lengths, model.args.vocab_size)
     ref, stock = batch_generator_run(model, prompts, max_tokens, join_at)
@@ -113,14 +119,15 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, cuda_o
         _, patched = batch_generator_run(model, prompts, max_tokens, join_at, forced=ref)
     finally:
         mlx_fastops.unpatch(model)
-    assert max_rows == (QMM_MAX_ROWS if name == "qwen2-tiny" else MAX_ROWS), max_rows
-    decoded = [(n, 1) for n in sizes if n <= max_rows]
+    assert max_rows == (MAX_ROWS if first_wide is None else QMM_MAX_ROWS), max_rows
+    path = lambda n: "launch" if first_wide is None or n < first_wide else "wide"
+    decoded = [(path(n), n, 1) for n in sizes if n <= max_rows]
     oracle_model = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B))
     _, oracle = batch_generator_run(oracle_model, prompts, max_tokens, join_at, forced=ref)
-    steps = [s for s in fast if s[1] == 1]
+    steps = [s for s in fast if s[2] == 1]
     # every decode step of at most max_rows rows took the fused step (traced once per shape on a GPU)
     assert (set(steps) == set(decoded)) if ON_GPU else (steps == decoded), (steps, sizes)
-    assert all(n * L <= max_rows for n, L in fast)
+    assert all(n * L <= max_rows for _, n, L in fast)
     verdict = fidelity.judge(*(mx.array(np.concatenate(a)) for a in (stock, patched, oracle)))
     print(f"{name} B={B}: decode rows per step {sizes}; stock {verdict['stock']}, patched {verdict['patched']}")
     assert not verdict["problems"], verdict["problems"]

@@ -1,5 +1,5 @@
-"""FastBlock: one decoder block's fused decode path: for up to MAX_ROWS rows layer.py's one launch,
-for up to QMM_MAX_ROWS rows (batched decode of 9-64 sequences) eight launches (`wide`)."""
+"""FastBlock: one decoder block's fused decode path: layer.py's one launch for up to MAX_ROWS rows,
+eight launches (`wide`, qmm on tensor cores) from wide_from to QMM_MAX_ROWS rows (batched decode)."""
 
 import math
 
@@ -18,6 +18,16 @@ from .source import HALF, MAX_ROWS, offset_array, tickets
 # layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the H200) and measured no faster on
 # large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound.
 GROUP_MAX_WEIGHTS = 64 << 20
+
+
+def wide_from(weights):
+    """The rows from which a block of `weights` takes FastBlock.wide (qmm) over the one-launch layer.
+    On large layers the GEMVs' per-row work costs more from 4 rows: H200, Qwen3-4B (96M weights a
+    layer), BatchGenerator, B = 5 / 8: 1057 / 2037 tok/s through wide vs 674 / 617, and a step of 4
+    rows runs the kernels of one of 5 (qmm's token tile is 8) where the one-launch layer's took
+    6.7 ms against wide's 4.7 ms at 5. On small layers (Qwen3-0.6B, 15M) the one launch wins up to
+    8 rows (B = 5 / 8: wide 1382 / 2165 vs 2276 / 2638)."""
+    return 4 if weights > GROUP_MAX_WEIGHTS else MAX_ROWS + 1
 
 
 def _quant_ok(m):
@@ -73,6 +83,7 @@ class FastBlock:
         self.wide_rows = QMM_MAX_ROWS if all(takes_weight(w, self.dtype) for w in (self.qkv, self.o, self.gate_up,
                                                                                   self.down)) else MAX_ROWS
         self.wide_tickets = tickets(QMM_MAX_ROWS * self.H) if self.wide_rows > MAX_ROWS else None
+        self.wide_from = wide_from(self.weights) if self.wide_rows > MAX_ROWS else MAX_ROWS + 1
         self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
@@ -131,7 +142,7 @@ class FastBlock:
         return layers_launch([self], x, off, [(kc, vc, after)])
 
     def wide(self, x, off, kc, vc, after, lp=None):
-        """core() for MAX_ROWS < B * L <= wide_rows: input RMSNorm, QKV on tensor cores (qmm), q/k
+        """core() for wide_from <= B * L <= wide_rows: input RMSNorm, QKV on tensor cores (qmm), q/k
         norm + RoPE + the k/v cache write (head.cu), attention (attention.cu), o_proj + residual
         (qmm), post-attention RMSNorm, gate/up + SiLU (qmm), down + residual (qmm): the composed
         ops' rounding points, eight launches. lp: a batch cache's left padding."""

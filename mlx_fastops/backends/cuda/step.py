@@ -4,8 +4,8 @@
 has a FastBlock, the model's make_cache returns StaticKVCaches and model.model's class is swapped
 for one whose decode call (B * L <= MAX_ROWS tokens over those caches) is one compiled function:
 embedding, the layer launches (consecutive small layers sharing one: launch_runs), final norm.
-Up to QMM_MAX_ROWS tokens (batched decode of 9-64 sequences) the same function runs each layer as
-FastBlock.wide's eight launches (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
+From FastBlock.wide_from to QMM_MAX_ROWS tokens (batched decode) the same function runs each layer
+as FastBlock.wide's eight launches (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
 mlx-lm's BatchGenerator merges those caches into StaticBatchKVCaches (left-padded rows, one write
 index), which the same step takes (the kernels given each row's left padding); anything else,
 and more rows, takes the composed fused ops.
@@ -128,6 +128,8 @@ def _compile_step(model, fasts, wide):
     if getattr(embed, "scales", getattr(embed, "weight", None)).dtype != dtype:
         return None, "embedding dtype differs from the layers'"
     runs = launch_runs(fasts)
+    max_rows = min(fb.wide_rows for fb in fasts) if wide else MAX_ROWS
+    first_wide = max(fb.wide_from for fb in fasts) if max_rows > MAX_ROWS else MAX_ROWS + 1
 
     def step(tokens, off, *bufs):
         # bufs: (keys, values, after) per layer, or over batch caches also their left padding
@@ -137,7 +139,7 @@ def _compile_step(model, fasts, wide):
         if h.dtype != dtype:
             h = h.astype(dtype)
         readers = []
-        if tokens.size > MAX_ROWS:
+        if tokens.size >= first_wide:
             for fb, b in zip(fasts, layer_bufs):
                 h, o = fb.wide(h, off, *b)
                 readers.append(o)
@@ -153,8 +155,7 @@ def _compile_step(model, fasts, wide):
         cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,),
                                           {"__call__": _compiled_call, "_fastops_base": base})
     launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
-    max_rows = min(fb.wide_rows for fb in fasts) if wide else MAX_ROWS
-    rows = (f"; {MAX_ROWS + 1}-{max_rows} rows: 8 launches a layer" if max_rows > MAX_ROWS else
+    rows = (f"; {first_wide}-{max_rows} rows: 8 launches a layer" if max_rows > MAX_ROWS else
             f"; over {MAX_ROWS} rows the composed ops ({'prefill off' if not wide else 'a weight qmm does not take'})")
     return ((inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch, max_rows)),
             f"{len(fasts)} layers in {launches}{rows}")
