@@ -252,7 +252,8 @@ def markdown(doc):
              f"commit {m['commit']}, sources {m['sources']}, {m['date']}", "",
              f"model {s['model']}; streaming /v1/completions, greedy, {s['max_tokens']} tokens max, prompts of "
              f"{s['prompt_words']} words; {s['requests_per_client']} requests per client after a warm-up round; "
-             f"time limit {s['time_limit']} s per row", "",
+             f"time limit {s['time_limit']} s per row"
+             + "".join(f"; {k}={m[k]}" for k in ("MLX_FASTOPS_TUNE", "MLX_FASTOPS_DISABLE") if m.get(k)), "",
              "| server | clients | requests | errors | prompt tokens | tokens | tok/s | ratio | TTFT p50 ms | "
              "TTFT p99 ms | per-token p50 ms | per-token p99 ms |", "|" + "---|" * 12]
     for r in doc["rows"]:

@@ -310,7 +310,8 @@ def machine():
     info = {"platform": platform.platform(), "python": platform.python_version(), "mlx": mx.__version__,
             "mlx_lm": mlx_lm.__version__, "mlx_fastops": __version__, "device": str(mx.default_device()),
             "backend": backend_name(), "commit": commit(), "sources": source_digest(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "MLX_FASTOPS_DISABLE": os.environ.get("MLX_FASTOPS_DISABLE", "")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "MLX_FASTOPS_DISABLE": os.environ.get("MLX_FASTOPS_DISABLE", ""),
+            "MLX_FASTOPS_TUNE": os.environ.get("MLX_FASTOPS_TUNE", "")}
     try:
         info["device_info"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
     except Exception:  # an MLX without device_info
