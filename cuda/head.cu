@@ -1,5 +1,5 @@
 // q/k RMSNorm + RoPE, k/v written into the cache in place, for the rows of a QKV projection made
-// by another kernel (qmm's 9-64 rows): head.cuh, the epilogue of gemv.cu's EPI 3, as a launch of
+// by another kernel (qmm's, in FastBlock.wide): head.cuh, the epilogue of gemv.cu's EPI 3, as a launch of
 // its own. One warp per block, one block per (head over q, k, v heads, activation row): grid
 // (H + 2 HKV, B * L).
 //

@@ -1,4 +1,4 @@
-// Quantised matmul on tensor cores for 9-64 activation rows (batched decode, speculative
+// Quantised matmul on tensor cores for up to 64 activation rows (batched decode, speculative
 // verification, short prompts): mma.sync m16n8k16, weights dequantised in registers.
 //
 //   y[m, n] = sum_k x[m, k] * w(n, k),   w(n, k) = T(s[n, k / GS] * q(n, k) + b[n, k / GS])

@@ -306,7 +306,7 @@ def _plan(state, journal):
             p.block(f"layers.{i}", block)
     off = p.switched_off()
     if p.prefill_above is not None:
-        off = off | {"prefill"}   # the tuner kept stock for 9+ rows: the decode path's 9+ rows too
+        off = off | {"prefill"}   # the tuner bounded the prefill path: the decode path keeps no rows of it
     return report, p.head(state.text), off
 
 

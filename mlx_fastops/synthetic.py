@@ -52,6 +52,11 @@ CONFIGS = {
     "qwen3-tiny": {**_QWEN3, "hidden_size": 192, "intermediate_size": 320, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                    "vocab_size": 4096, "tie_word_embeddings": True},
+    # Qwen3 with every projection's K in the tensor-core matmul's chunks (a multiple of 128): the
+    # CUDA decode step's batched path (FastBlock.wide) on a tiny model.
+    "qwen3-tiny-qmm": {**_QWEN3, "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                       "vocab_size": 4096, "tie_word_embeddings": True},
     "llama-tiny": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 448,
                    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
                    "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 4096,

@@ -35,8 +35,10 @@ CASES = [
     ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1), 9),   # the longest leaves first: shift
     # qwen3-tiny's hidden size (192) is not in qmm's chunks: 9+ rows take the composed ops
     ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9, None),
-    # qwen2-tiny's are: 9+ rows take the step's FastBlock.wide (qmm, with the QKV bias)
+    # qwen2-tiny's and qwen3-tiny-qmm's are: 9+ rows take the step's FastBlock.wide (qmm, with the
+    # QKV bias; with q/k norm)
     ("qwen2-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,), 9),
+    ("qwen3-tiny-qmm", 10, tuple(range(20, 40, 2)), (3,) * 5 + (2,) * 5, (0,) * 10, 9),
     ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,), 4),   # 4-8 rows too
 ]
 IDS = [f"{c[0]}-B{c[1]}" for c in CASES]
@@ -135,3 +137,15 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_
     # either path; steps of 9+ rows, on tensor cores with weights rounded to bf16, come near stock's
     # error (mean |logit error| 0.34-0.45 vs 0.49-0.51; the GEMV's steps 0.11-0.15), and a fixed
     # margin of 0.5 counted near-ties there that either path flips.)
+
+
+TAKES = [  # the step's max_rows, sequences, new tokens each, taken by the compiled step
+    (64, 1, 8, True), (64, 2, 4, True), (64, 9, 1, True), (64, 64, 1, True),
+    (64, 1, 9, False),   # a prompt chunk of 9+ tokens: the composed ops (wide's kernels are built per L)
+    (64, 4, 3, False), (64, 65, 1, False), (8, 9, 1, False), (8, 8, 1, True),
+]
+
+
+@pytest.mark.parametrize("max_rows,B,L,taken", TAKES)
+def test_calls_the_compiled_step_takes(max_rows, B, L, taken):
+    assert cuda_step._Step(None, [], None, max_rows).takes(B, L) is taken

@@ -27,6 +27,7 @@ CASES = [  # B, L, H, HKV, D, q/k norm, rope frequencies given, traditional, lef
     (17, 1, 8, 2, 128, True, False, False, None, F16),
     (5, 3, 4, 4, 64, False, True, False, (2, 0, 1, 0, 4), BF16),   # Llama 3 (frequencies), 3 tokens a row
     (12, 1, 6, 2, 64, False, False, True, None, BF16),             # traditional RoPE, no norm
+    (3, 2, 2, 1, 256, True, False, False, (1, 0, 2), F16),          # head_dim 256, GQA 2
 ]
 
 
@@ -49,15 +50,15 @@ def _rope(x, pos, D, trad, base, scale, freqs):
 
 @pytest.mark.parametrize("B,L,H,HKV,D,qknorm,with_freqs,trad,lpad,dtype", CASES)
 def test_head_matches_mlx_ops(B, L, H, HKV, D, qknorm, with_freqs, trad, lpad, dtype, on_gpu):
-    base, scale, eps, S, off = 1e6, 1.0, 1e-6, 48, 29
+    base, scale, qeps, keps, S, off = 1e6, 1.0, 1e-6, 0.5, 48, 29   # epsilons apart enough to tell
     N = (H + 2 * HKV) * D
     qkv = (3 * mx.random.normal((B, L, N))).astype(dtype)
     qn, kn = (1 + 0.2 * mx.random.normal((D,))).astype(dtype), (1 + 0.2 * mx.random.normal((D,))).astype(dtype)
     freqs = (base ** (mx.arange(0, D, 2) / D) * (1 + mx.arange(D // 2) / D)).astype(F32) if with_freqs else None
     kc, vc = mx.full((B, HKV, S, D), 7e3, dtype), mx.full((B, HKV, S, D), -7e3, dtype)   # poison
     mx.eval(qkv, qn, kn, kc, vc)
-    head = (("D", D), ("H", H), ("HKV", HKV), ("freqs", with_freqs), ("keps", eps), ("log2_base", math.log2(base)),
-            ("qeps", eps), ("qknorm", qknorm), ("scale", scale), ("trad", trad), ("L", L))
+    head = (("D", D), ("H", H), ("HKV", HKV), ("freqs", with_freqs), ("keps", keps), ("log2_base", math.log2(base)),
+            ("qeps", qeps), ("qknorm", qknorm), ("scale", scale), ("trad", trad), ("L", L))
     arrays = dict(off=offset_array(off), kc=kc, vc=vc, after=kc)
     if qknorm:
         arrays.update(qn=qn, kn=kn)
@@ -73,7 +74,7 @@ def test_head_matches_mlx_ops(B, L, H, HKV, D, qknorm, with_freqs, trad, lpad, d
     qs, ks, vs = mx.split(qkv, [H * D, (H + HKV) * D], axis=-1)
     qs, ks = qs.reshape(B, L, H, D), ks.reshape(B, L, HKV, D)
     if qknorm:
-        qs, ks = mx.fast.rms_norm(qs, qn, eps), mx.fast.rms_norm(ks, kn, eps)
+        qs, ks = mx.fast.rms_norm(qs, qn, qeps), mx.fast.rms_norm(ks, kn, keps)
     # RoPE's outputs are differences of products: within 2 units in the last place of the row's largest
     close = lambda got, want: (np.abs(got - want) <= 2 * ULP[dtype] * np.abs(want).max()).all()
     for b in range(B):

@@ -67,6 +67,8 @@ CASES = [  # M, K, N, bits, group, dtype, epi, bias
     (65, 512, 96, 8, 64, BF16, 2, False),      # swiglu, 8-bit, a second tile of 1 row
     (33, 640, 80, 4, 64, BF16, 1, False),      # + residual (o_proj / down in FastBlock.wide)
     (12, 256, 40, 8, 32, F16, 1, True),        # + bias + residual, 8-bit
+    (4, 256, 40, 4, 64, BF16, 1, False),       # 4 rows (FastBlock.wide's fewest on large layers)
+    (5, 512, 48, 4, 64, F16, 2, False),        # 5 rows, swiglu
 ]
 
 

@@ -20,7 +20,8 @@ class DecodePath:
         step). The rows go into the patch report (where "model"). installed.remove() undoes the
         changes on unpatch, installed.restore() redoes them when the parked fused modules are
         swapped back in.
-    `disabled` is the set of fusion names switched off for this patch (config.FUSIONS).
+    `disabled` is the set of fusion names switched off for this patch (config.FUSIONS); for install
+    it also holds `prefill` where the tuner kept stock for some of the prefill path's row counts.
     parts: the fusions the path fuses, each of which switched off refuses every block (the tuner
     keeps them on wherever it keeps fast_decode).
     """

@@ -43,7 +43,8 @@ def _as_packed(m):
 class FastBlock:
     """The fused decode path of one FusedBlock: for B * L <= MAX_ROWS rows over a StaticKVCache,
     the block as one launch (shared with the following blocks in the compiled step, where
-    `grouped`); else None, and the FusedBlock takes its composed path."""
+    `grouped`); else None, and the FusedBlock takes its composed path. The compiled step also
+    runs decode steps of wide_from to wide_rows rows through `wide`."""
 
     cache_type = StaticKVCache
 
@@ -79,11 +80,11 @@ class FastBlock:
         self._counters = {}   # layer launches' group counters, per layers per launch
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
         self.gb = head_subgroup(self.H // self.HKV)   # query heads per attention block
-        # `wide` takes 9-64 rows where qmm takes all four weights
+        # `wide` takes decode steps of up to QMM_MAX_ROWS rows where qmm takes all four weights
         self.wide_rows = QMM_MAX_ROWS if all(takes_weight(w, self.dtype) for w in (self.qkv, self.o, self.gate_up,
                                                                                   self.down)) else MAX_ROWS
         self.wide_tickets = tickets(QMM_MAX_ROWS * self.H) if self.wide_rows > MAX_ROWS else None
-        self.wide_from = wide_from(self.weights) if self.wide_rows > MAX_ROWS else MAX_ROWS + 1
+        self.wide_from = wide_from(self.weights)
         self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
@@ -142,17 +143,14 @@ class FastBlock:
         return layers_launch([self], x, off, [(kc, vc, after)])
 
     def wide(self, x, off, kc, vc, after, lp=None):
-        """core() for wide_from <= B * L <= wide_rows: input RMSNorm, QKV on tensor cores (qmm), q/k
-        norm + RoPE + the k/v cache write (head.cu), attention (attention.cu), o_proj + residual
-        (qmm), post-attention RMSNorm, gate/up + SiLU (qmm), down + residual (qmm): the composed
-        ops' rounding points, eight launches. lp: a batch cache's left padding."""
+        """core() for a decode step (L = 1) of wide_from to wide_rows rows: input RMSNorm, QKV on
+        tensor cores (qmm), q/k norm + RoPE + the k/v cache write (head.cu), attention
+        (attention.cu), o_proj + residual (qmm), post-attention RMSNorm, gate/up + SiLU (qmm), down
+        + residual (qmm): the composed ops' rounding points, eight launches. lp: a batch cache's
+        left padding."""
         B, L, _ = x.shape
         head = self.head + (("L", L),) + ((("lpad", True),) if lp is not None else ())
-        arrays = dict(off=off, lp=lp, kc=kc, vc=vc, after=after)
-        if self.qknorm:
-            arrays["qn"], arrays["kn"] = self.qk
-        if self.rf:
-            arrays["rf"] = self.rf[0]
+        arrays = dict(off=off, lp=lp, kc=kc, vc=vc, after=after, **self.head_arrays())
         q = head_rows(qmm(mx.fast.rms_norm(x, *self.in_norm), self.qkv), head, arrays)
         o = attention(q, kc, vc, off, self.scale, cnt=self.wide_tickets, gb=self.gb, lp=lp)
         h = qmm(o.reshape(B, L, -1), self.o, epi=1, res=x)
@@ -177,11 +175,15 @@ class FastBlock:
             a["lp"] = lp
         if qkv.bias is not None:
             a["qkv_bias"] = qkv.bias
-        if self.qknorm:
-            a["qn"], a["kn"] = self.qk
+        a.update(self.head_arrays())
+        return {f"{k}{j}": v for k, v in a.items()}
+
+    def head_arrays(self):
+        """The head epilogue's model arrays (cuda/head.cuh): q/k norm weights, RoPE frequencies."""
+        a = dict(zip(("qn", "kn"), self.qk))
         if self.rf:
             a["rf"] = self.rf[0]
-        return {f"{k}{j}": v for k, v in a.items()}
+        return a
 
     def launch_key(self):
         """What must agree for blocks to share a launch (everything but the weights and caches)."""

@@ -17,6 +17,7 @@ from mlx_lm.models.activations import swiglu
 from ...kernels import cached_builder, cuda_kernel
 from .. import reference
 from . import prefill, qmm
+from .head import head_defines
 from .prefill import PREFILL_MIN_ROWS
 from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 
@@ -105,15 +106,6 @@ def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head
         d.update(head_defines(head))
     return d
 
-
-def head_defines(head):
-    """#defines of the head epilogue (cuda/head.cuh) for a FastBlock's head description + L, lpad."""
-    d = dict(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
-             QEPS=flt(head["qeps"]), KEPS=flt(head["keps"]), ROPE_TRAD=head["trad"],
-             ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=flt(head["log2_base"]), ROPE_SCALE=flt(head["scale"]))
-    if head.get("lpad"):
-        d["LEFT_PAD"] = 1
-    return d
 
 
 def gemv_outputs(epi):

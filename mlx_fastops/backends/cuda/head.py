@@ -1,5 +1,5 @@
 """q/k RMSNorm + RoPE and the cache write of a QKV projection's rows (cuda/head.cu): the epilogue
-of the decode GEMV's EPI 3 (cuda/head.cuh) as a launch of its own, after qmm's 9-64 rows.
+of the decode GEMV's EPI 3 (cuda/head.cuh) as a launch of its own, after qmm's rows (FastBlock.wide).
 
     q[b, l, h] = rope(norm_q(qkv[b, l, q_h]), p),  k likewise into kc[b, :, off + l],
     v[b, l, h] = qkv[b, l, v_h] into vc[b, :, off + l],   p = off + l (- left padding of row b)
@@ -11,8 +11,17 @@ cache buffers in place (MLX does not see it): the kernel takes the buffers' last
 import mlx.core as mx
 
 from ...kernels import cached_builder, cuda_kernel
-from .gemv import head_defines
-from .source import kernel_name, source
+from .source import flt, kernel_name, source
+
+
+def head_defines(head):
+    """#defines of the head epilogue (cuda/head.cuh) for a FastBlock's head description + L, lpad."""
+    d = dict(L=head["L"], H=head["H"], HKV=head["HKV"], D=head["D"], HAS_QKNORM=head["qknorm"],
+             QEPS=flt(head["qeps"]), KEPS=flt(head["keps"]), ROPE_TRAD=head["trad"],
+             ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=flt(head["log2_base"]), ROPE_SCALE=flt(head["scale"]))
+    if head.get("lpad"):
+        d["LEFT_PAD"] = 1
+    return d
 
 
 def head_inputs(head):

@@ -2,8 +2,8 @@
 int32 buffers (tickets, cache offsets) the kernels take.
 
 A kernel's source is its #defines (the static shape class and model constants), the T alias, then
-the file's body (its `#include "x.cuh"` lines replaced by cuda/x.cuh) with the conditionals those
-defines decide cut down (kernels.resolve_conditionals): MLX hashes the whole source at every
+the file's body (its `#include "x.cuh"` lines replaced by cuda/x.cuh's code) with the conditionals
+those defines decide cut down (kernels.resolve_conditionals): MLX hashes the whole source at every
 launch, so what reaches it is as short as it can be.
 """
 
@@ -33,8 +33,14 @@ def source(filename, defines, dtype):
     lines = [f"#define {k} {int(v) if isinstance(v, bool) else v}" for k, v in defines.items()]
     lines.append(f"using T = {CTYPE[dtype]};")
     undefined = [f for f in FLAGS if f not in defines]
-    body = _INCLUDE.sub(lambda m: read_source("cuda", m.group(1)), read_source("cuda", filename))
+    body = _INCLUDE.sub(lambda m: _included(m.group(1)), read_source("cuda", filename))
     return "\n".join(lines) + "\n" + resolve_conditionals(body, defines, undefined)
+
+
+def _included(filename):
+    """cuda/filename without its comment lines (MLX hashes every launch's source)."""
+    return "".join(l for l in read_source("cuda", filename).splitlines(keepends=True)
+                   if not l.lstrip().startswith("//"))
 
 
 def kernel_name(kind, src):

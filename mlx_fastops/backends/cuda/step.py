@@ -2,13 +2,14 @@
 
 `DECODE_PATH` implements mlx_fastops.backends.DecodePath for the patcher. Once every decoder block
 has a FastBlock, the model's make_cache returns StaticKVCaches and model.model's class is swapped
-for one whose decode call (B * L <= MAX_ROWS tokens over those caches) is one compiled function:
-embedding, the layer launches (consecutive small layers sharing one: launch_runs), final norm.
-From FastBlock.wide_from to QMM_MAX_ROWS tokens (batched decode) the same function runs each layer
-as FastBlock.wide's eight launches (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
+for one whose decode call over those caches (`_Step.takes`: B * L <= MAX_ROWS tokens, or a decode
+step of up to QMM_MAX_ROWS rows) is one compiled function: embedding, the layers, final norm. Up
+to MAX_ROWS tokens the layers are the one-launch layers (consecutive small layers sharing one:
+launch_runs); decode steps from FastBlock.wide_from rows run FastBlock.wide's eight launches a
+layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off or bounded by the tuner.
 mlx-lm's BatchGenerator merges those caches into StaticBatchKVCaches (left-padded rows, one write
-index), which the same step takes (the kernels given each row's left padding); anything else,
-and more rows, takes the composed fused ops.
+index), which the same step takes (the kernels given each row's left padding); anything else
+takes the composed fused ops.
 The step also computes the next cache offset on the GPU (a host-made offset array faults once on
 first use: source.OFF_WORDS).
 
@@ -38,7 +39,7 @@ FAST_PATH_PARTS = ("qkv", "gate_up", "attention", "qk_norm_rope", "residual_norm
 def _compiled_call(self, inputs, cache=None, input_embeddings=None):
     step = self.__dict__.get("_fastops_step")
     if (step is not None and input_embeddings is None and cache is not None and inputs.ndim == 2
-            and inputs.shape[0] * inputs.shape[1] <= step.max_rows):
+            and step.takes(*inputs.shape)):
         watch, layers = step.watch, dict.__getitem__(self, "layers")
         if (not watch.fast or len(layers) != len(step.owners)
                 or not all(map(operator.is_, layers, step.owners))):
@@ -85,6 +86,12 @@ class _Step:
         self.fn, self.blocks, self.watch, self.max_rows = fn, blocks, watch, max_rows
         self.owners = [fb.owner for fb in blocks]
 
+    def takes(self, B, L):
+        """B sequences of L new tokens: up to MAX_ROWS tokens, or decode steps (L = 1) of up to
+        max_rows rows (prompt chunks of more tokens stay composed: FastBlock.wide's kernels are
+        built per L)."""
+        return B * L <= MAX_ROWS or (L == 1 and B <= self.max_rows)
+
     def __deepcopy__(self, memo):
         return None
 
@@ -116,7 +123,7 @@ def _inner(model):
 def _compile_step(model, fasts, wide):
     """The class swap of the decoder stack for one whose decode step is one mx.compile'd
     function: ((obj, stock class, fast class, _Step), note), or (None, reason). wide: whether the
-    step takes more than MAX_ROWS rows where every block's `wide` does."""
+    step takes decode steps of more rows through FastBlock.wide, where every block's does."""
     inner = _inner(model)
     if inner is None or "embed_tokens" not in inner or "norm" not in inner:
         return None, "no inner model with embed_tokens/norm"
@@ -139,7 +146,7 @@ def _compile_step(model, fasts, wide):
         if h.dtype != dtype:
             h = h.astype(dtype)
         readers = []
-        if tokens.size >= first_wide:
+        if tokens.shape[1] == 1 and tokens.shape[0] >= first_wide:
             for fb, b in zip(fasts, layer_bufs):
                 h, o = fb.wide(h, off, *b)
                 readers.append(o)
@@ -155,8 +162,9 @@ def _compile_step(model, fasts, wide):
         cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,),
                                           {"__call__": _compiled_call, "_fastops_base": base})
     launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
-    rows = (f"; {first_wide}-{max_rows} rows: 8 launches a layer" if max_rows > MAX_ROWS else
-            f"; over {MAX_ROWS} rows the composed ops ({'prefill off' if not wide else 'a weight qmm does not take'})")
+    why = "prefill off or bounded by the tuner" if not wide else "a weight qmm does not take"
+    rows = (f"; decode steps of {first_wide}-{max_rows} rows: 8 launches a layer" if max_rows > MAX_ROWS else
+            f"; decode steps of over {MAX_ROWS} rows: the composed ops ({why})")
     return ((inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch, max_rows)),
             f"{len(fasts)} layers in {launches}{rows}")
 
