@@ -540,7 +540,7 @@ def test_decode_step_with_layers_sharing_launches(monkeypatch):
     logits = []
     mx.disable_compile()
     try:
-        wide = "; over 8 rows the composed ops (a weight qmm does not take)"   # qwen3-tiny's hidden size 192
+        wide = "; decode steps of over 8 rows: the composed ops (a weight qmm does not take)"   # hidden size 192
         for limit, runs, note in ((block.GROUP_MAX_WEIGHTS, [(0, 2)], "2 layers in 1 launch" + wide),
                                   (0, [(0, 1), (1, 1)], "2 layers in 2 launches" + wide)):
             monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
