@@ -11,10 +11,11 @@
 #   tune_bench   bench --tune on both, -p 512,2048 -g 128 -n 3 (stock, all fusions, tuned; the decisions
 #                cached by `tune` in this visit, else measured again) -> results/cuda_tune.*
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
-#   batch        batched decoding through mlx-lm's BatchGenerator, 4B and 8B, B = 1-32 -> results/cuda_batch.*
+#   batch        batched decoding through mlx-lm's BatchGenerator, 4B, 8B and 0.6B, B = 1-32 -> results/cuda_batch.*
 #   qmm          the tensor-core qmm: its GPU tests, then its GEMMs at 9-128 rows -> results/cuda_prefill.*
 #   batch_ab     B = 8, 16, 32 on Qwen3-0.6B and 4B with and without `prefill` (qmm's switch) -> $OUT/batch_ab.tgz
-#   serve        mlx_lm.server vs mlx-fastops serve over HTTP, Qwen3-4B, 1 / 4 / 16 clients -> results/serve_load.*
+#   serve        mlx_lm.server vs mlx-fastops serve over HTTP, Qwen3-0.6B, 1 / 4 / 16 clients (tuner off: it would
+#                add its first tuning to the patched server's start) -> results/serve_load.*
 #   prefill      GEMMs of 9-8192 rows: stock quantized_matmul, qmm, dequantise + matmul, dense, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
@@ -86,7 +87,7 @@ case "$mode" in
     grep -E "^\| (qwen|llama)" "$R/cuda_tune.md" | cut -c1-200
     cp "$R"/cuda_tune.* "$OUT/" ;;
   batch)
-    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-4b,qwen3-8b --batches 1,4,8,16,32 -p 256 -g 32 -n 2 \
+    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-4b,qwen3-8b,qwen3-0.6b --batches 1,4,8,16,32 -p 256 -g 32 -n 1 \
       --out "$R/cuda_batch" > "$OUT/batch.log" 2>&1
     grep -E "^\| (qwen|llama)" "$R/cuda_batch.md" | cut -c1-170; cp "$R"/cuda_batch.* "$OUT/" ;;
   qmm)
@@ -104,8 +105,8 @@ case "$mode" in
     done
     tar czf "$OUT/batch_ab.tgz" -C "$A" . ;;
   serve)
-    timeout 560 python3 benchmarks/serve_load.py --model qwen3-4b --clients 1,4,16 --requests-per-client 2 \
-      --max-tokens 64 --time-limit 80 --out "$R/serve_load" > "$OUT/serve.log" 2>&1
+    MLX_FASTOPS_TUNE=off timeout 560 python3 benchmarks/serve_load.py --model qwen3-0.6b --clients 1,4,16 \
+      --requests-per-client 2 --max-tokens 32 --time-limit 15 --out "$R/serve_load" > "$OUT/serve.log" 2>&1
     grep -E "^\| " "$R/serve_load.md" | cut -c1-170; cp "$R"/serve_load.* "$OUT/" ;;
   ab)
     : "${2:?usage: cuda_visit.sh ab NAMES [NAMES...]}"
