@@ -1,7 +1,7 @@
 // q/k RMSNorm + RoPE, k/v written into the cache in place, for the rows of a QKV projection made
-// by another kernel (qmm's, in FastBlock.wide): head.cuh, the epilogue of gemv.cu's EPI 3, as a launch of
-// its own. One warp per block, one block per (head over q, k, v heads, activation row): grid
-// (H + 2 HKV, B * L).
+// by another kernel (qmm's, in FastBlock.wide): head.cuh, the epilogue of gemv.cu's EPI 3, as a
+// launch of its own. One warp per block, one block per (head over q, k, v heads, activation row):
+// grid (H + 2 HKV, B * L).
 //
 // Defines: T, L, H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE, [LEFT_PAD].

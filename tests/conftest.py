@@ -58,6 +58,20 @@ def cuda_factory():
     return cuda_emu.cuda_kernel, False
 
 
+@pytest.fixture
+def on_gpu():
+    """Whether CUDA kernels run on a GPU; else they run through the CPU emulator for the test's
+    duration (kernels called directly, outside any mx.compile)."""
+    from mlx_fastops import kernels
+
+    factory, gpu = cuda_factory()
+    if gpu:
+        yield True
+        return
+    with kernels.use_cuda_factory(factory):
+        yield False
+
+
 @pytest.fixture(params=["reference", pytest.param("metal", marks=pytest.mark.metal),
                         pytest.param("cuda", marks=pytest.mark.cuda)])
 def backend(request):

@@ -12,9 +12,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import cuda_factory
 
-from mlx_fastops import kernels
 from mlx_fastops.backends.cuda.head import head_rows
 from mlx_fastops.backends.cuda.source import PAD_WORDS, offset_array
 
@@ -29,16 +27,6 @@ CASES = [  # B, L, H, HKV, D, q/k norm, rope frequencies given, traditional, lef
     (12, 1, 6, 2, 64, False, False, True, None, BF16),             # traditional RoPE, no norm
     (3, 2, 2, 1, 256, True, False, False, (1, 0, 2), F16),          # head_dim 256, GQA 2
 ]
-
-
-@pytest.fixture
-def on_gpu():
-    factory, gpu = cuda_factory()
-    if gpu:
-        yield True
-        return
-    with kernels.use_cuda_factory(factory):
-        yield False
 
 
 def _rope(x, pos, D, trad, base, scale, freqs):

@@ -12,26 +12,13 @@ On a GPU: `pytest -m cuda`; elsewhere through the CPU emulator of tests/cuda_emu
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import cuda_factory
 
-from mlx_fastops import kernels
 from mlx_fastops.backends.cuda import qmm
 from mlx_fastops.ops.weights import PackedLinear
 
 pytestmark = [pytest.mark.cuda]
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
 ULP = {F16: 2 ** -10, BF16: 2 ** -7}
-
-
-@pytest.fixture
-def on_gpu():
-    """Whether the kernels run on a GPU (else through the CPU emulator, for the test's duration)."""
-    factory, gpu = cuda_factory()
-    if gpu:
-        yield True
-        return
-    with kernels.use_cuda_factory(factory):
-        yield False
 
 
 def to64(a):

@@ -107,7 +107,6 @@ def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head
     return d
 
 
-
 def gemv_outputs(epi):
     return ["yq", "ys"] if epi == 3 else ["y"]
 
