@@ -1,9 +1,10 @@
 """Kernel timeline of decode steps on MLX CUDA, stock vs patched (CUPTI through torch.profiler).
 
-    python3 benchmarks/cuda_trace.py [--model qwen3-0.6b] [--prompt 512] [--steps 16] [--out DIR]
+    python3 benchmarks/cuda_trace.py [--model qwen3-0.6b] [--prompt 512] [--steps 16] [--batch B] [--out DIR]
 
-Runs mlx-lm's generate_step (greedy, pipelined) and records every GPU kernel of `--steps` decode
-steps after 8 untimed ones with CUPTI (torch's profiler records all kernels of the process, MLX's
+Runs mlx-lm's generate_step (greedy, pipelined), or with --batch B its BatchGenerator decoding B
+sequences at once (as mlx_lm.server does), and records every GPU kernel of `--steps` decode steps
+after 8 untimed ones with CUPTI (torch's profiler records all kernels of the process, MLX's
 included). Prints, per variant: GPU-busy time per step (sum of kernel durations), wall time per
 step (profiler on), kernels per step, and the most expensive kernels (count per step, mean and
 total us per step). Writes DIR/cuda_trace_MODEL.md and .json.
@@ -29,12 +30,29 @@ def kernels_of(prof):
     return sorted(out, key=lambda r: r[1])
 
 
-def trace(model, prompt, steps, warm=8):
+def decode_steps(model, prompt, n, batch):
+    """An iterator of decode steps: generate_step's, or (batch) BatchGenerator's over `batch` rows,
+    row i's prompt rotated by i."""
+    if not batch:
+        from mlx_lm.generate import generate_step
+
+        yield from generate_step(prompt, model, max_tokens=n)
+        return
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n, completion_batch_size=batch, prefill_batch_size=batch)
+    gen.insert([mx.roll(prompt, i).tolist() for i in range(batch)])
+    while responses := gen.next_generated():
+        yield responses
+    gen.close()
+
+
+def trace(model, prompt, steps, batch, warm=8):
     import torch
-    from mlx_lm.generate import generate_step
     from torch.profiler import ProfilerActivity, profile
 
-    gen = generate_step(prompt, model, max_tokens=warm + steps + 4)
+    gen = decode_steps(model, prompt, warm + steps + 4, batch)
     for _ in range(warm):
         next(gen)
     torch.cuda.synchronize()
@@ -72,6 +90,7 @@ def main():
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=0, help="rows decoded together through BatchGenerator")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
@@ -95,14 +114,16 @@ def main():
     for label in ("stock", "patched"):
         if label == "patched":
             mlx_fastops.patch(model, tune="off")   # every kernel, untuned
-        prof, wall = trace(model, prompt, a.steps)
-        t, j = summarise(f"{a.model} {label}, decode after {a.prompt}", prof, wall, a.steps, a.top)
+        prof, wall = trace(model, prompt, a.steps, a.batch)
+        rows = f", {a.batch} rows through BatchGenerator" if a.batch else ""
+        t, j = summarise(f"{a.model} {label}, decode after {a.prompt}{rows}", prof, wall, a.steps, a.top)
         print(t, flush=True)
         texts.append(t)
         js.append(j)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    Path(a.out, f"cuda_trace_{a.model}.md").write_text("\n".join(texts))
-    Path(a.out, f"cuda_trace_{a.model}.json").write_text(json.dumps({"machine": m, "variants": js}, indent=1))
+    stem = f"cuda_trace_{a.model}" + (f"_b{a.batch}" if a.batch else "")
+    Path(a.out, f"{stem}.md").write_text("\n".join(texts))
+    Path(a.out, f"{stem}.json").write_text(json.dumps({"machine": m, "variants": js}, indent=1))
 
 
 if __name__ == "__main__":
