@@ -2,9 +2,10 @@
 
 Ops (the reference signatures, mlx_fastops.backends.reference; `unsupported_<op>(**info)` says why
 a static shape class falls back to the reference):
-  qkv_proj, gate_up_silu, lm_head   quantised GEMV for 1-8 activation rows (gemv.py); prefill-sized
-                                    QKV and gate/up calls: dense matmuls on weights dequantised per
-                                    call (prefill.py); the rest: stock quantized_matmul
+  qkv_proj, gate_up_silu, lm_head   quantised GEMV for 1-8 activation rows (gemv.py), 9-64 rows
+                                    on tensor cores (qmm.py); prefill-sized QKV and gate/up calls:
+                                    dense matmuls on weights dequantised per call (prefill.py); the
+                                    rest: stock quantized_matmul
   linear                            o_proj / down_proj: prefill-sized calls as above, the rest stock
   decode_attention                  GQA decode attention over the cache buffers (attention.py)
   quantized_attention               attention over mlx-lm's QuantizedKVCache: decode reads the packed
