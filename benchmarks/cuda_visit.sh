@@ -23,7 +23,7 @@
 #   groups       every layer in one launch beside the default, with a cProfile of the step builds
 #                -> results/cuda_host_groups.*
 #   trace        kernel timeline of decode, stock vs patched (MODEL=qwen3-4b to choose; BATCH=32: that many rows
-#                through BatchGenerator) -> results/cuda_trace_MODEL[_bBATCH].*
+#                through BatchGenerator; PROMPT: prompt tokens, 512) -> results/cuda_trace_MODEL[_bBATCH].*
 #   ncu          Nsight Compute sections of the Qwen3-0.6B kernels
 #   ncu_layer    the same for the Qwen3-8B layer launch, with memory workload and stall reasons
 #   all          correctness, then phases and bench; every log in $OUT/all.tgz
@@ -138,7 +138,7 @@ case "$mode" in
       --reps 4 --out "$R/cuda_host_groups" > "$OUT/groups.log" 2>&1
     tail -n 16 "$OUT/groups.log"; cp "$R"/cuda_host_groups.* "$OUT/" ;;
   trace)
-    stem=cuda_trace_${MODEL:-qwen3-0.6b}${BATCH:+_b$BATCH}
+    stem=cuda_trace_${MODEL:-qwen3-0.6b}$( [ "${BATCH:-0}" != 0 ] && echo "_b$BATCH" )
     timeout 150 python3 benchmarks/cuda_trace.py --model "${MODEL:-qwen3-0.6b}" --batch "${BATCH:-0}" --prompt "${PROMPT:-512}" \
       --out "$R" > "$OUT/trace.log" 2>&1
     grep -v Warning "$OUT/trace.log" | tail -n 40; cp "$R/$stem".* "$OUT/" ;;

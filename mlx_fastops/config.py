@@ -22,9 +22,9 @@ FUSIONS = {
     "residual_norm": "residual add + post-attention RMSNorm in one op",
     "lm_head": "the (tied or untied) output projection",
     "attention": "decode attention and prefill attention ops",
-    "prefill": "GPU: QKV, gate/up, o_proj and down calls of more than 8 rows on the backend's prefill "
-               "path (CUDA: 9-64 rows a quantised matmul on tensor cores, 512 rows or more dense matmuls "
-               "on weights dequantised per call); off: stock quantized_matmul",
+    "prefill": "GPU: QKV, gate/up, o_proj, down and lm_head calls of more than 8 rows on the backend's "
+               "prefill path (CUDA: 9-64 rows a quantised matmul on tensor cores, 512 rows or more dense "
+               "matmuls on weights dequantised per call, but lm_head's); off: stock quantized_matmul",
     "fast_decode": "CUDA: each decoder block as one launch (norm + QKV + q/k norm + RoPE + cache write, "
                    "attention, o_proj + residual, norm + gate/up + SiLU, down + residual) over a static KV "
                    "cache; consecutive small layers share a launch",

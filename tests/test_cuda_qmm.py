@@ -96,24 +96,3 @@ TAKES = [  # x dtype, rows, K, bits, group, scales' dtype, taken
 def test_which_calls_qmm_takes(xd, rows, K, bits, gs, wd, taken):
     assert qmm.takes(*_linear(xd, rows, K, bits, gs, wd)) is taken
 
-
-ROUTES = [  # op, rows, the kernel it runs (qmm: 9-64 rows of a weight qmm takes)
-    ("lm_head", 8, "gemv"),
-    ("lm_head", 9, "qmm"),
-    ("lm_head", 64, "qmm"),     # batched decode of 64 rows
-    ("lm_head", 65, "stock"),   # prefill chunks: stock quantized_matmul
-    ("linear", 16, "qmm"),
-    ("linear", 65, "stock"),
-]
-
-
-@pytest.mark.parametrize("op,rows,kernel", ROUTES)
-def test_which_kernel_an_op_runs(op, rows, kernel, monkeypatch):
-    from mlx_fastops.backends.cuda import gemv
-
-    ran = []
-    monkeypatch.setattr(qmm, "qmm", lambda x, w, **kw: ran.append("qmm") or mx.zeros((*x.shape[:-1], 32), x.dtype))
-    monkeypatch.setattr(gemv, "gemv", lambda x, w, **kw: ran.append("gemv") or mx.zeros((x.shape[0], 32), x.dtype))
-    x, w = _linear(BF16, rows, 256)
-    y = getattr(gemv, op)(x, w)
-    assert y.shape == (rows, 32) and ran == ([] if kernel == "stock" else [kernel])

@@ -209,7 +209,6 @@ LM_HEAD = [  # K, vocab, bits, group, dtype, x [B, L], tied (the embedding as th
     (512, 203, 4, 128, BF16, (1, 3), False),
     (256, 300, 8, 64, F16, (1, 12), True),        # CUDA: tensor cores (9-64 rows)
     (512, 1001, 4, 64, BF16, (2, 16), True),      # CUDA: tensor cores, vocab past the last 32-row block
-    (256, 300, 4, 32, F16, (1, 65), False),       # CUDA: past qmm's 64 rows, stock quantized_matmul
     (256, 4099, 4, 64, F16, (1, 2), False),       # CUDA: 2 rows a warp from 4096 outputs
 ]
 

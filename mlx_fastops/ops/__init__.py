@@ -69,7 +69,7 @@ def select(op, backend, **info):
 
 
 DECODE_ROWS = 8   # activation rows (B * L) of the GPU backends' decode kernels
-PREFILL_OPS = ("qkv_proj", "gate_up_silu", "linear")
+PREFILL_OPS = ("qkv_proj", "gate_up_silu", "linear", "lm_head")   # their 9+ row paths: the `prefill` switch
 
 
 def decode_rows_only(fn, op, above=None):

@@ -6,7 +6,8 @@ a static shape class falls back to the reference):
                                     on tensor cores (qmm.py); prefill-sized QKV and gate/up calls:
                                     dense matmuls on weights dequantised per call (prefill.py); the
                                     rest: stock quantized_matmul
-  linear                            o_proj / down_proj: prefill-sized calls as above, the rest stock
+  linear                            o_proj / down_proj: 9-64 rows on tensor cores, prefill-sized
+                                    calls as above, the rest stock
   decode_attention                  GQA decode attention over the cache buffers (attention.py)
   quantized_attention               attention over mlx-lm's QuantizedKVCache: decode reads the packed
                                     4/8-bit cache in place; prompts dequantise it, then MLX's SDPA

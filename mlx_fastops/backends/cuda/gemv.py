@@ -4,9 +4,8 @@
 
 Epilogues (EPI): 0 plain (+ bias), 1 + residual, 2 SiLU(gate) * up, 3 the QKV head (q/k norm, RoPE,
 k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj,
-gate_up_silu and lm_head run EPI 0 / 2 for up to MAX_ROWS rows, 9-64 rows a quantised matmul on
-tensor cores (qmm.py); prefill-sized QKV and gate/up calls run dense matmuls on dequantised weights
-(prefill.py), the rest (lm_head's prefill) stock quantized_matmul. Per call the
+gate_up_silu and lm_head run EPI 0 / 2 for up to MAX_ROWS rows; their other row counts and
+linear's go elsewhere (`linear`, `lm_head` below: tensor cores, dense prefill, stock). Per call the
 kernel is picked by its static shape class (dtype, rows, bits, group size, epilogue); K and N are
 read from the weight's shape at run time.
 """
@@ -219,10 +218,10 @@ def gate_up_silu(x, w):
 
 
 def lm_head(x, w):
-    # 9-64 rows (batched decode) on tensor cores: stock quantized_matmul took 4.9 ms of a 10.3 ms
-    # step of 32 rows on Qwen3-4B (H200, benchmarks/cuda_trace.py --batch 32). Prefill stays stock:
-    # the output is the whole vocabulary for every prompt row, and a transient dense weight of the
-    # vocabulary is larger than any layer's.
+    # 9-64 rows (batched decode) on tensor cores: stock quantized_matmul is slow there (half of a
+    # 32-row Qwen3-4B step on the H200: docs/cuda-design.md). Prefill stays stock: the output is the
+    # whole vocabulary for every prompt row, and a transient dense weight of the vocabulary is
+    # larger than any layer's.
     M = rows(x)
     if M > MAX_ROWS and qmm.takes(x, w):
         return qmm.qmm(x, w)

@@ -1,7 +1,8 @@
 """Quantised matmul on tensor cores (cuda/qmm.cu) for the rows just past the decode GEMVs: more
 than MAX_ROWS, at most QMM_MAX_ROWS (short prompts, speculative verification, the lm_head of
-batched decode), and the projections of FastBlock.wide (batched decode steps from 4 or 9 rows). More rows go to stock quantized_matmul,
-and from PREFILL_MIN_ROWS to the prefill path (prefill.py).
+batched decode), and the projections of FastBlock.wide (batched decode steps from 4 or 9 rows).
+More rows go to stock quantized_matmul, and from PREFILL_MIN_ROWS (but lm_head's) to the prefill
+path (prefill.py).
 
     y = x @ (s * q + b)^T  (+ bias)          EPI 1: res + that;  EPI 2: swiglu(gate rows, up rows)
 
