@@ -16,12 +16,15 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import mlx.core as mx
 
 from mlx_fastops.backends.cuda import attention as A
 from mlx_fastops.backends.cuda import gemv as G
+from mlx_fastops.backends.cuda import head as HD
 from mlx_fastops.backends.cuda import layer
+from mlx_fastops.backends.cuda import qmm as QM
 from mlx_fastops.backends.cuda import quantized_kv as QKV
 from mlx_fastops.backends.cuda.source import CTYPE, source
 
@@ -98,6 +101,23 @@ def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     ins = [(n, types[n]) for n in G.gemv_inputs(norm, bias, res, head)]
     outs = [("yq", T), ("ys", "float")] if epi == 3 else [("y", T)]
     return wrap(f"gemv_e{epi}_m{M}_b{bits}", src, ins, outs), nw * 32
+
+
+def qmm_case(dtype, M, K, N, bits, epi, bias=False):
+    T = CTYPE[dtype]
+    MT, NW, _, _ = QM.qmm_config(M, K, N // 2 if epi == 2 else N, bits, epi)
+    d = dict(BITS=bits, GS=64, MT=MT, NW=NW, EPI=epi, HAS_BIAS=bias, MMA_BF16=dtype == mx.bfloat16)
+    ins = [("x", T), ("w", "uint32_t"), ("sc", T), ("bi", T)] + ([("bias", T)] if bias else [])
+    ins += [("res", T)] if epi == 1 else []
+    return wrap(f"qmm_e{epi}_m{M}_b{bits}", source("qmm.cu", d, dtype), ins, [("y", T)]), NW * 32
+
+
+def head_case(dtype, head):
+    T = CTYPE[dtype]
+    types = {"qkv": T, "qn": T, "kn": T, "off": "int32_t", "lp": "int32_t", "rf": "float", "kc": T, "vc": T,
+             "after": T}
+    ins = [(n, types[n]) for n in HD.head_inputs(head)]
+    return wrap(f"head_d{head['D']}", source("head.cu", HD.head_defines(head), dtype), ins, [("yq", T)]), 32
 
 
 def attn_case(dtype, L, H, HKV, D):
@@ -185,6 +205,12 @@ def cases():
             for bits in QKV.KV_BITS:
                 yield f"qattn D{D} G{G} b{bits}", qattn_case(bf, 1, 8 * G, 8, D, bits, 64, False)
     yield "qattn causal L8 f16", qattn_case(f16, 8, 32, 8, 128, 8, 32, True)
+    # qmm at Qwen3-4B's shapes (QKV, o_proj + residual, gate/up + SiLU, down + residual), 9-64 rows
+    for M in (9, 16, 32, 64):
+        for epi, (K, N) in ((0, (2560, 6144)), (1, (4096, 2560)), (2, (2560, 19456)), (1, (9728, 2560))):
+            yield f"qmm e{epi} K{K} M{M}", qmm_case(bf, M, K, N, 4, epi)
+    yield "qmm 8-bit bias f16", qmm_case(f16, 12, 1024, 1024, 8, 0, True)
+    yield "head D128 lpad", head_case(bf, {**q06, "H": 32, "lpad": True})
     yield "qattn fp32", qattn_case(mx.float32, 1, 16, 8, 128, 4, 128, False)
 
 
@@ -196,22 +222,27 @@ def main():
         for name, (src, threads) in cases():
             if filt not in name:
                 continue
+            t0 = time.perf_counter()
             ptx, log = nvrtc_ptx(src, "k.cu")
+            secs = time.perf_counter() - t0
             if ptx is None:
                 bad += 1
                 print(f"{name:22s} ERR\n" + "\n".join(l for l in log.splitlines() if "error" in l)[:2000])
                 continue
             path = os.path.join(td, "k.ptx")
             open(path, "w").write(ptx)
+            t0 = time.perf_counter()
             r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.path.join(td, "k.cubin"), path],
                                capture_output=True, text=True)
+            secs_ptxas = time.perf_counter() - t0
             info = [l.split("ptxas info    : ")[-1] for l in r.stderr.splitlines() if "registers" in l or "spill" in l]
             regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)]
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
             # an out-of-line call: NVRTC stopped inlining (a multi-layer launch's phases, see layer.py)
             calls = len(re.findall(r"^\s*call", ptx, re.M))
             ok = r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not any(spills) and not calls
-            print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} calls={calls} {' | '.join(info)[:160]}")
+            print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} calls={calls} nvrtc={secs:.1f}s ptxas={secs_ptxas:.1f}s "
+                  f"{' | '.join(info)[:160]}")
             if not ok:
                 bad += 1
                 print(r.stderr[-1500:])
