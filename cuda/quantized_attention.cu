@@ -13,10 +13,11 @@
 // one quantisation group: GS is a multiple of 8), PPW = 32 / LPP rows per warp step, SLOTS
 // online-softmax states per block (fp32, exp2, q pre-scaled by scale * log2 e), merged in shared
 // memory; with more than one split the last block to finish (ticket on cnt[b*L*HKV + kv head],
-// reset to 0 by that block) merges the splits' partials pm (max, sum) and po (unnormalised output).
+// reset to 0 by that block) merges the splits' partials pm (max, sum) and po (unnormalised output):
+// split_merge.cuh, attention.cu's, with GB = G (a block takes every query head of its kv head).
 // A lane's share of a score is sk * (q . k_q) + kb * sum(q): its 8 q values' sum is taken once.
 //
-// Defines: T, L, H, HKV, D, G, NW, MINCH, SCALE_LOG2, BITS (4 or 8), GS, CAUSAL.
+// Defines: T, L, H, HKV, D, G, GB (= G), NW, MINCH, SCALE_LOG2, BITS (4 or 8), GS, CAUSAL.
 // Inputs: q, kw, ks, kb, vw, vs, vb, cnt (>= B*L*HKV).
 // Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
@@ -31,6 +32,9 @@
   const int split = blockIdx.x;
   const int nsplit = gridDim.x;
   const int hk = blockIdx.y;
+  static_assert(GB == G, "a block takes every query head of its kv head");
+  constexpr int NSUB = 1;
+  const int g0 = 0, h0 = hk * G;
   const int bl = blockIdx.z;
   const int b = bl / L, l = bl % L;
   const int S = kw_shape[2];
@@ -119,90 +123,4 @@
       mx_[g] = mnew;
     }
   }
-  __shared__ float sm_m[SLOTS][G];
-  __shared__ float sm_l[SLOTS][G];
-  __shared__ float sm_o[SLOTS][G][D];
-  const int slot = warp * PPW + sub;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (li == 0) {
-      sm_m[slot][g] = mx_[g];
-      sm_l[slot][g] = ls[g];
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) sm_o[slot][g][d0 + j] = of[g][j];
-  }
-  __syncthreads();
-
-  // merge the slots: thread per (g, d); a slot with no position (m = -inf) adds nothing
-  const size_t pbase = ((size_t)bl * HKV + hk) * nsplit;   // first partial of this (b, l, kv head)
-  for (int e = tid; e < G * D; e += NW * 32) {
-    const int g = e / D, d = e % D;
-    float M = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < SLOTS; ++s) M = fmaxf(M, sm_m[s][g]);
-    float acc = 0.f, lsum = 0.f;
-#pragma unroll
-    for (int s = 0; s < SLOTS; ++s) {
-      const float ms = sm_m[s][g];
-      if (ms != -INFINITY) {   // every split has a position, so M is finite
-        const float c = exp2f(ms - M);
-        acc = fmaf(sm_o[s][g][d], c, acc);
-        lsum = fmaf(sm_l[s][g], c, lsum);
-      }
-    }
-    if (nvalid == 1) {
-      o[(((size_t)bl * H) + hk * G + g) * D + d] = static_cast<T>(acc / lsum);
-    } else {
-      po[((pbase + split) * G + g) * D + d] = acc;
-      if (d == 0) {
-        pm[((pbase + split) * G + g) * 2] = M;
-        pm[((pbase + split) * G + g) * 2 + 1] = lsum;
-      }
-    }
-  }
-  if (nvalid == 1) return;
-
-  __shared__ int s_last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    int* c = const_cast<int*>(cnt) + bl * HKV + hk;
-    const int ticket = atomicAdd(c, 1);
-    s_last = (ticket == nvalid - 1);
-    if (s_last) *c = 0;   // reset for the next launch (launches are stream-ordered)
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-
-  // final merge over the splits: c_s = exp2(m_s - M), o = sum_s c_s po_s / sum_s c_s l_s;
-  // a warp per head, splits lane and lane + 32, then a thread per output element.
-  __shared__ float sm_c[MAXSPLIT][G];
-  __shared__ float sm_inv[G];
-  static_assert(MAXSPLIT <= 64, "two splits per lane");
-  for (int g = warp; g < G; g += NW) {
-    const bool v0 = lane < nvalid, v1 = lane + 32 < nvalid;
-    const float* pm0 = pm + ((pbase + lane) * G + g) * 2;
-    const float* pm1 = pm + ((pbase + lane + 32) * G + g) * 2;
-    const float m0 = v0 ? __ldcg(pm0) : -INFINITY, l0 = v0 ? __ldcg(pm0 + 1) : 0.f;
-    const float m1 = v1 ? __ldcg(pm1) : -INFINITY, l1 = v1 ? __ldcg(pm1 + 1) : 0.f;
-    float M = fmaxf(m0, m1);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    const float c0 = v0 ? exp2f(m0 - M) : 0.f;
-    const float c1 = v1 ? exp2f(m1 - M) : 0.f;
-    float lsum = l0 * c0 + l1 * c1;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
-    if (v0) sm_c[lane][g] = c0;
-    if (v1) sm_c[lane + 32][g] = c1;
-    if (lane == 0) sm_inv[g] = 1.f / lsum;
-  }
-  __syncthreads();
-  for (int e = tid; e < G * D; e += NW * 32) {
-    const int g = e / D, d = e % D;
-    float acc = 0.f;
-    for (int s = 0; s < nvalid; ++s) acc = fmaf(__ldcg(po + ((pbase + s) * G + g) * D + d), sm_c[s][g], acc);
-    o[(((size_t)bl * H) + hk * G + g) * D + d] = static_cast<T>(acc * sm_inv[g]);
-  }
+#include "split_merge.cuh"
