@@ -57,7 +57,7 @@
   float qf[G][8], qsum[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const T* qrow = q + (((size_t)bl * H) + hk * G + g) * D + d0;
+    const T* qrow = q + (((size_t)bl * H) + h0 + g) * D + d0;
     qsum[g] = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {

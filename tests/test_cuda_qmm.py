@@ -95,4 +95,3 @@ TAKES = [  # x dtype, rows, K, bits, group, scales' dtype, taken
 @pytest.mark.parametrize("xd,rows,K,bits,gs,wd,taken", TAKES)
 def test_which_calls_qmm_takes(xd, rows, K, bits, gs, wd, taken):
     assert qmm.takes(*_linear(xd, rows, K, bits, gs, wd)) is taken
-
