@@ -259,7 +259,7 @@ def cmd_serve(args):
 
     return serve.serve(args.sources[0], args.server_argv, disable=args.disable,
                        bits=4 if args.bits is None else args.bits or None, group_size=args.group_size or 64,
-                       dtype=args.dtype)
+                       dtype=args.dtype, warm_up_rows=args.warm_up_rows)
 
 
 def build_parser():
@@ -356,6 +356,11 @@ def build_parser():
                                    "...: see mlx_lm.server --help), passed to it as given. --model also takes "
                                    "a synthetic name. SIGINT or SIGTERM stops it (exit status 0).")
     model_args(s)
+    s.add_argument("--warm-up-rows", type=at_least(0), default=None, metavar="N",
+                   help="before serving, decode once at every batch size 1..N, so that kernels built on "
+                        "first use (CUDA's, by NVRTC) are not built mid-service; 0: off (default: on the CUDA "
+                        "backend the server's --decode-concurrency, or --prompt-concurrency if larger; "
+                        "on the others 0)")
     s.set_defaults(func=cmd_serve)
     return p
 

@@ -4,7 +4,8 @@ batching and prompt cache) on patched models.
 Nothing of the server is re-implemented: `mlx_lm.server.main` runs on the rest of the command line.
 The one seam is its `ModelProvider`, whose `_load` is extended so that every model the server loads
 (the --model one when it starts, any other that a request names) is patched before a request runs
-on it, and its patch report goes to stderr. Draft models (--draft-model) stay stock.
+on it, and its patch report goes to stderr, then (warm_up) its decode runs once at every batch size
+the server can reach. Draft models (--draft-model) stay stock.
 """
 
 import _thread
@@ -18,6 +19,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 
 PROG = "mlx-fastops serve"
 
@@ -73,10 +75,42 @@ def port_problem(host, port):
     return None
 
 
-def patching_provider(disable, failed):
+def warm_up(model, rows):
+    """Decode on `model` once at every batch size 1..rows, through mlx-lm's BatchGenerator as the
+    server runs it; returns the seconds taken.
+
+    Why: our CUDA kernels are built by NVRTC (seconds each) on the first use of each shape class in
+    each process, and a server meets its decode row counts one after another as requests come and
+    go, so without this it builds them mid-service and stalls every request in flight. Each batch
+    is b prompts of 2 token ids (valid in any vocabulary), 2 tokens each: a b-row decode step."""
+    from mlx_lm.generate import BatchGenerator
+
+    t0 = time.perf_counter()
+    for b in range(1, rows + 1):
+        gen = BatchGenerator(model, max_tokens=2, completion_batch_size=b, prefill_batch_size=b)
+        gen.insert([[1, 2]] * b)
+        while gen.next_generated():
+            pass
+        gen.close()
+    return time.perf_counter() - t0
+
+
+def rows_to_warm_up(requested, backend, cli_args):
+    """The decode row counts to warm up: `requested` (--warm-up-rows) if given; else on the CUDA
+    backend all that the server's BatchGenerator takes, on the others none (they build kernels fast)."""
+    if requested is not None:
+        return requested
+    if backend != "cuda":
+        return 0
+    # the server's BatchGenerator decodes up to the larger of the two (its completion_batch_size)
+    return max(cli_args.decode_concurrency, cli_args.prompt_concurrency)
+
+
+def patching_provider(disable, failed, warm_up_rows=None):
     """A subclass of mlx_lm.server.ModelProvider whose loaded models are patched (disable: fusion
-    names left stock, as patch() takes them). If the --model one cannot load or be patched, it sets
-    the threading.Event `failed` and interrupts the main thread, which stops the server (mlx_lm's
+    names left stock, as patch() takes them), then warmed up (warm_up_rows: --warm-up-rows, None
+    for the backend's default). If the --model one cannot load or be patched, it sets the
+    threading.Event `failed` and interrupts the main thread, which stops the server (mlx_lm's
     generation thread dies then, and requests would wait for it for ever)."""
     from mlx_lm import server
     from mlx_lm.models.cache import make_prompt_cache
@@ -88,12 +122,24 @@ def patching_provider(disable, failed):
             super()._load(model_path, adapter_path, draft_model_path)
             try:
                 report = patch(self.model, disable=disable)
+                # The server judged batching on the stock model's caches; the patched model's may differ.
+                self.is_batchable = self.is_batchable and all(hasattr(c, "merge")
+                                                              for c in make_prompt_cache(self.model))
+                print(f"[serve] {model_path}: patched\n{report}", file=sys.stderr, flush=True)
+                self._warm_up(rows_to_warm_up(warm_up_rows, report.backend, self.cli_args))
             except BaseException:
-                self.reset()   # else the server would keep serving the stock model under this key
+                self.reset()   # else the server would keep serving this model under this key, unpatched or cold
                 raise
-            # The server judged batching on the stock model's caches; the patched model's may differ.
-            self.is_batchable = self.is_batchable and all(hasattr(c, "merge") for c in make_prompt_cache(self.model))
-            print(f"[serve] {model_path}: patched\n{report}", file=sys.stderr, flush=True)
+
+        def _warm_up(self, rows):
+            if not rows:
+                return
+            if not self.is_batchable:   # served one request at a time: no BatchGenerator runs it
+                print("[serve] warm-up: skipped, the model is served one request at a time",
+                      file=sys.stderr, flush=True)
+                return
+            seconds = warm_up(self.model, rows)
+            print(f"[serve] warm-up: decode of 1-{rows} rows in {seconds:.1f} s", file=sys.stderr, flush=True)
 
         def load_default(self):
             try:
@@ -106,10 +152,11 @@ def patching_provider(disable, failed):
     return PatchingModelProvider
 
 
-def serve(source, server_argv, disable="", bits=4, group_size=64, dtype=None):
+def serve(source, server_argv, disable="", bits=4, group_size=64, dtype=None, warm_up_rows=None):
     """Run mlx_lm.server on models.Source `source` (a synthetic one is written to a temporary
-    directory first: bits, group_size and dtype shape it) with `server_argv` (its other flags) until
-    SIGINT or SIGTERM, then end the process: status 0 after a clean shutdown."""
+    directory first: bits, group_size and dtype shape it; warm_up_rows: as patching_provider's)
+    with `server_argv` (its other flags) until SIGINT or SIGTERM, then end the process: status 0
+    after a clean shutdown."""
     from mlx_lm import server
 
     # mlx_lm.server shuts down cleanly on KeyboardInterrupt (closes the HTTP server, stops and joins
@@ -118,7 +165,7 @@ def serve(source, server_argv, disable="", bits=4, group_size=64, dtype=None):
     folder, status, failed = None, 0, threading.Event()
     try:
         folder = synthetic_dir(source.spec, bits, group_size, dtype) if source.synthetic else None
-        with _swapped(server, ModelProvider=patching_provider(disable, failed)), \
+        with _swapped(server, ModelProvider=patching_provider(disable, failed, warm_up_rows)), \
                 _argv(["--model", folder or source.spec, *server_argv]):
             server.main()
     except KeyboardInterrupt:   # before the server ran, or a second one while it stopped

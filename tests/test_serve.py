@@ -2,13 +2,15 @@
 queried over HTTP: greedy answers equal stock mlx_lm.server's on the same model directory, with
 requests in flight together (mlx-lm batches them: BatchKVCache, rows of different lengths that
 finish at different steps), streaming and not; clean shutdown on SIGINT and SIGTERM; command lines
-refused before any model work; the seam (mlx_lm.server's ModelProvider) in process; the load
-generator benchmarks/serve_load.py against real servers. Every wait is bounded; every process
-started here is stopped in a finally block."""
+refused before any model work; the seam (mlx_lm.server's ModelProvider) and its warm-up (a
+decode at each batch size before serving) in process; the load generator benchmarks/serve_load.py
+against real servers. Every wait is bounded; every process started here is stopped in a finally
+block."""
 
 import contextlib
 import importlib.util
 import json
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +22,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from loopback import free_port, port_is_free
 from mlx_lm.models.cache import QuantizedKVCache
@@ -55,10 +58,10 @@ def model_dir(tmp_path_factory):
 
 
 class Server:
-    def __init__(self, kind, model, log):
+    def __init__(self, kind, model, log, flags=()):
         self.port, self.log = free_port(), log
         with open(log, "wb") as f:
-            self.proc = subprocess.Popen([*COMMANDS[kind], "--model", str(model), "--port", str(self.port)],
+            self.proc = subprocess.Popen([*COMMANDS[kind], "--model", str(model), "--port", str(self.port), *flags],
                                          stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def wait_up(self):
@@ -88,8 +91,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(kind, model, tmp_path):
-    server = Server(kind, model, tmp_path / f"{kind}-{time.monotonic_ns()}.log")
+def running(kind, model, tmp_path, flags=()):
+    server = Server(kind, model, tmp_path / f"{kind}-{time.monotonic_ns()}.log", flags)
     try:
         yield server.wait_up()
     finally:
@@ -148,15 +151,77 @@ def test_the_provider_patches_each_model_it_loads_and_judges_batching_on_it(mode
         return report
 
     monkeypatch.setattr(mlx_fastops, "patch", patch_with_unmergeable_caches)
-    provider = serve.patching_provider("", threading.Event())(args)
+    provider = serve.patching_provider("", threading.Event(), 2)(args)
     provider.load("default_model")
     assert provider.is_batchable is False
+    assert capsys.readouterr().err.endswith("[serve] warm-up: skipped, the model is served one request at a time\n")
 
 
-def test_greedy_answers_equal_stock_servers(model_dir, tmp_path):
+def test_the_provider_warms_up_each_model_once_patched(model_dir, monkeypatch, capsys):
+    calls = []   # (patched?, rows) per warm_up call
+
+    def warm_up(model, rows):
+        calls.append((mlx_fastops.is_patched(model), rows))
+        return 1.5
+
+    monkeypatch.setattr(serve, "warm_up", warm_up)
+    args = serve.server_args(["--model", str(model_dir)])
+    serve.patching_provider("", threading.Event(), 2)(args).load("default_model")
+    assert calls == [(True, 2)]
+    assert capsys.readouterr().err.endswith("[serve] warm-up: decode of 1-2 rows in 1.5 s\n")
+
+
+def test_warm_up_decodes_once_at_each_row_count_and_leaves_the_model_as_it_was(monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    generate = importlib.import_module("mlx_lm.generate")   # the module; mlx_lm.generate is also a function
+
+    made = []   # per BatchGenerator made: (completion_batch_size, rows of each step that generated)
+
+    class Recording(generate.BatchGenerator):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)
+            made.append((kwargs["completion_batch_size"], []))
+
+        def next_generated(self):
+            responses = super().next_generated()
+            if responses:
+                made[-1][1].append(len(responses))
+            return responses
+
+    monkeypatch.setattr(generate, "BatchGenerator", Recording)
+    model = mlx_fastops.synthetic_model("qwen3-tiny")
+    mlx_fastops.patch(model)
+    tokens = mx.array([[5, 17, 300, 9]])
+    before = model(tokens, cache=make_prompt_cache(model))
+    assert serve.warm_up(model, 3) > 0
+    assert made == [(1, [1, 1]), (2, [2, 2]), (3, [3, 3])]   # 2 tokens per row, all rows in each step
+    assert mx.array_equal(model(tokens, cache=make_prompt_cache(model)), before)
+
+
+@pytest.mark.parametrize("requested, backend, concurrency, rows", [
+    (None, "cuda", (32, 8), 32),         # the server's --decode-concurrency, --prompt-concurrency defaults
+    (None, "cuda", (4, 16), 16),         # its BatchGenerator decodes up to the larger
+    (None, "metal", (32, 8), 0),
+    (None, "reference", (32, 8), 0),
+    (0, "cuda", (32, 8), 0),
+    (3, "reference", (32, 8), 3),
+])
+def test_warm_up_rows_default_by_backend(requested, backend, concurrency, rows):
+    cli_args = serve.server_args(["--decode-concurrency", str(concurrency[0]),
+                                  "--prompt-concurrency", str(concurrency[1])])
+    assert serve.rows_to_warm_up(requested, backend, cli_args) == rows
+
+
+# (the patched server's flags, the patterns of its warm-up lines): on the CPU none unless asked for
+@pytest.mark.parametrize("flags, warm_up_lines", [
+    ([], []),
+    (["--warm-up-rows", "3"], [r"\[serve\] warm-up: decode of 1-3 rows in \d+\.\d s"]),
+], ids=["default", "warm-up-rows-3"])
+def test_greedy_answers_equal_stock_servers(model_dir, tmp_path, flags, warm_up_lines):
     results, logs = {}, {}
     for kind in ("stock", "patched"):
-        with running(kind, model_dir, tmp_path) as server:
+        with running(kind, model_dir, tmp_path, flags if kind == "patched" else ()) as server:
             results[kind] = answers(server.port)
             server.stop(signal.SIGINT)
             logs[kind] = server.text()
@@ -168,6 +233,9 @@ def test_greedy_answers_equal_stock_servers(model_dir, tmp_path):
     assert report.startswith("mlx_fastops patch: family=qwen3 backend=reference\n")
     assert "| qkv | fused | reference | 2 |" in report and "| lm_head | fused | reference | 1 |" in report
     assert "mlx_fastops patch" not in logs["stock"]
+    warm_ups = [line for line in logs["patched"].splitlines() if line.startswith("[serve] warm-up")]
+    assert len(warm_ups) == len(warm_up_lines), logs["patched"]
+    assert all(re.fullmatch(pattern, line) for pattern, line in zip(warm_up_lines, warm_ups)), warm_ups
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -222,6 +290,7 @@ def busy_port():
     (["serve", "--port", "{busy}"], "cannot listen on 127.0.0.1 port {busy}: Address already in use"),
     (["serve", "--port", "{free}", "--model", "no/such/dir"], "no such directory"),
     (["serve", "--port", "{free}", "--bits", "4", "--model", "{dir}"], "--bits: for synthetic models only"),
+    (["serve", "--port", "{free}", "--warm-up-rows", "-1"], "argument --warm-up-rows: must be at least 0, got -1"),
     (["bench", "--port", "8080"], "unrecognized arguments: --port 8080"),   # only serve passes flags on
 ])
 def test_bad_command_lines_are_refused(argv, message, busy_port, model_dir, monkeypatch, capsys):
