@@ -77,7 +77,7 @@ def port_problem(host, port):
 
 def warm_up(model, rows):
     """Decode on `model` once at every batch size 1..rows, through mlx-lm's BatchGenerator as the
-    server runs it; returns the seconds taken.
+    server runs it; returns the seconds each batch size took (index 0: 1 row).
 
     Why: our CUDA kernels are built by NVRTC (seconds each) on the first use of each shape class in
     each process, and a server meets its decode row counts one after another as requests come and
@@ -85,14 +85,23 @@ def warm_up(model, rows):
     is b prompts of 2 token ids (valid in any vocabulary), 2 tokens each: a b-row decode step."""
     from mlx_lm.generate import BatchGenerator
 
-    t0 = time.perf_counter()
+    seconds = []
     for b in range(1, rows + 1):
+        t0 = time.perf_counter()
         gen = BatchGenerator(model, max_tokens=2, completion_batch_size=b, prefill_batch_size=b)
         gen.insert([[1, 2]] * b)
         while gen.next_generated():
             pass
         gen.close()
-    return time.perf_counter() - t0
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def warm_up_summary(seconds):
+    """'decode of 1-N rows in T s' and the three longest batch sizes (where the builds went)."""
+    longest = sorted(range(len(seconds)), key=lambda i: -seconds[i])[:3]
+    parts = ", ".join(f"{i + 1} rows {seconds[i]:.1f} s" for i in longest)
+    return f"decode of 1-{len(seconds)} rows in {sum(seconds):.1f} s (longest: {parts})"
 
 
 def rows_to_warm_up(requested, backend, cli_args):
@@ -138,8 +147,7 @@ def patching_provider(disable, failed, warm_up_rows=None):
                 print("[serve] warm-up: skipped, the model is served one request at a time",
                       file=sys.stderr, flush=True)
                 return
-            seconds = warm_up(self.model, rows)
-            print(f"[serve] warm-up: decode of 1-{rows} rows in {seconds:.1f} s", file=sys.stderr, flush=True)
+            print(f"[serve] warm-up: {warm_up_summary(warm_up(self.model, rows))}", file=sys.stderr, flush=True)
 
         def load_default(self):
             try:

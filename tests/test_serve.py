@@ -162,13 +162,14 @@ def test_the_provider_warms_up_each_model_once_patched(model_dir, monkeypatch, c
 
     def warm_up(model, rows):
         calls.append((mlx_fastops.is_patched(model), rows))
-        return 1.5
+        return [1.0, 0.5]
 
     monkeypatch.setattr(serve, "warm_up", warm_up)
     args = serve.server_args(["--model", str(model_dir)])
     serve.patching_provider("", threading.Event(), 2)(args).load("default_model")
     assert calls == [(True, 2)]
-    assert capsys.readouterr().err.endswith("[serve] warm-up: decode of 1-2 rows in 1.5 s\n")
+    assert capsys.readouterr().err.endswith("[serve] warm-up: decode of 1-2 rows in 1.5 s "
+                                                "(longest: 1 rows 1.0 s, 2 rows 0.5 s)\n")
 
 
 def test_warm_up_decodes_once_at_each_row_count_and_leaves_the_model_as_it_was(monkeypatch):
@@ -194,7 +195,8 @@ def test_warm_up_decodes_once_at_each_row_count_and_leaves_the_model_as_it_was(m
     mlx_fastops.patch(model)
     tokens = mx.array([[5, 17, 300, 9]])
     before = model(tokens, cache=make_prompt_cache(model))
-    assert serve.warm_up(model, 3) > 0
+    seconds = serve.warm_up(model, 3)
+    assert len(seconds) == 3 and all(t > 0 for t in seconds)
     assert made == [(1, [1, 1]), (2, [2, 2]), (3, [3, 3])]   # 2 tokens per row, all rows in each step
     assert mx.array_equal(model(tokens, cache=make_prompt_cache(model)), before)
 
@@ -216,7 +218,7 @@ def test_warm_up_rows_default_by_backend(requested, backend, concurrency, rows):
 # (the patched server's flags, the patterns of its warm-up lines): on the CPU none unless asked for
 @pytest.mark.parametrize("flags, warm_up_lines", [
     ([], []),
-    (["--warm-up-rows", "3"], [r"\[serve\] warm-up: decode of 1-3 rows in \d+\.\d s"]),
+    (["--warm-up-rows", "3"], [r"\[serve\] warm-up: decode of 1-3 rows in \d+\.\d s \(longest: (\d rows \d+\.\d s(, )?){3}\)"]),
 ], ids=["default", "warm-up-rows-3"])
 def test_greedy_answers_equal_stock_servers(model_dir, tmp_path, flags, warm_up_lines):
     results, logs = {}, {}
