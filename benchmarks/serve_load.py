@@ -197,18 +197,21 @@ def ready(host, port, timeout, alive=lambda: True):
 
 
 class Server:
-    """A server process started on a free loopback port, its stderr in a log file; stop() sends
-    SIGINT (both servers shut down on it) and returns the exit status."""
+    """A server process started on a free loopback port, its stderr in a log file; startup_s: the
+    seconds until it answered /health and a first completion; stop() sends SIGINT (both servers shut
+    down on it) and returns the exit status."""
 
     def __init__(self, label, model, extra, log_dir, startup_timeout):
         self.port = free_port()
         self.log = Path(log_dir) / f"{label}.log"
         cmd = [*COMMANDS[label], "--model", model, "--host", "127.0.0.1", "--port", str(self.port), *extra]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        t0 = time.monotonic()
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             ready("127.0.0.1", self.port, startup_timeout, alive=lambda: self.proc.poll() is None)
+            self.startup_s = time.monotonic() - t0
         except RuntimeError as e:
             self.stop()
             raise RuntimeError(f"{label} server: {e}; exit status {self.proc.returncode}; the end of its log:\n"
@@ -268,12 +271,21 @@ def markdown(doc):
     errors = [f"- {r['server']}, {r['clients']} clients: {e}" for r in doc["rows"] for e in r["error_samples"]]
     if errors:
         lines += ["", "Errors (first of each row):", *errors]
+    if doc.get("startup_s"):
+        lines += ["", "Seconds from start to a first completion: "
+                  + ", ".join(f"{k} {v}" for k, v in doc["startup_s"].items())
+                  + (f"; the patched server's {doc['warm_up'][len('[serve] '):]}" if doc.get("warm_up") else "")]
     if doc["patch_report"]:
         lines += ["", "The patched server's patch report:", "", doc["patch_report"]]
     if doc["exit_status"]:
         lines += ["", "Server exit status after SIGINT: "
                   + ", ".join(f"{k} {v}" for k, v in doc["exit_status"].items())]
     return "\n".join(lines) + "\n"
+
+
+def warm_up_line(log):
+    """The warm-up line that `mlx-fastops serve` printed in its log, or None."""
+    return next((line for line in log.splitlines() if line.startswith("[serve] warm-up")), None)
 
 
 def patch_report(log):
@@ -347,7 +359,7 @@ def main(argv=None):
     from mlx_fastops import models
     from mlx_fastops.bench import machine
 
-    rows, exit_status, model, report = [], {}, a.model, None
+    rows, exit_status, startup_s, model, report, warm_up = [], {}, {}, a.model, None, None
     if a.url:
         for label, (host, port) in a.url:
             ready(host, port, a.startup_timeout)
@@ -363,18 +375,21 @@ def main(argv=None):
                 folder = str(save_synthetic(source.spec, Path(tmp) / "model", bits=a.bits or None))
             for label in COMMANDS:
                 server = Server(label, folder, a.server_args.split(), tmp, a.startup_timeout)
+                startup_s[label] = round(server.startup_s, 1)
                 try:
                     rows += measure(label, "127.0.0.1", server.port, a)
                 finally:
                     exit_status[label] = server.stop()
                     if label == "patched":
-                        report = patch_report(server.log.read_text())
+                        log = server.log.read_text()
+                        report, warm_up = patch_report(log), warm_up_line(log)
     ratios(rows)
     settings = {k: getattr(a, k) for k in ("clients", "requests_per_client", "max_tokens", "prompt_words",
                                            "time_limit", "server_args")}
     doc = {"machine": machine(), "settings": {"model": model, "urls": {k: f"http://{h}:{p}" for k, (h, p) in a.url},
                                               **settings},
-           "rows": rows, "exit_status": exit_status, "patch_report": report}
+           "rows": rows, "exit_status": exit_status, "startup_s": startup_s, "warm_up": warm_up,
+           "patch_report": report}
     Path(f"{out}.json").write_text(json.dumps(doc, indent=1))
     Path(f"{out}.md").write_text(markdown(doc))
     print(markdown(doc))

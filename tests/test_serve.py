@@ -347,6 +347,8 @@ def test_load_generator_starts_stock_then_patched(serve_load, model_dir, tmp_pat
     assert patched["ratio"] == patched["tok_s"] / stock["tok_s"] and "ratio" not in stock
     assert doc["exit_status"]["patched"] == 0
     assert doc["patch_report"].startswith("mlx_fastops patch: family=qwen3 backend=reference\n")
+    assert set(doc["startup_s"]) == {"stock", "patched"} and all(v > 0 for v in doc["startup_s"].values())
+    assert doc["warm_up"] is None   # the reference backend's default: no warm-up
 
 
 @pytest.mark.parametrize("argv, message", [
