@@ -4,8 +4,9 @@
 //   y[m, n] = sum_k x[m, k] * w(n, k),   w(n, k) = T(s[n, k / GS] * q(n, k) + b[n, k / GS])
 //
 // The weight is the mma's A operand (16 output rows x 16 k), x^T its B operand (16 k x 8 tokens),
-// so a 16-row weight fragment, dequantised once, serves every 8-token tile of the block: the
-// dequantisation does not grow with the row count. The order of k inside an mma is free as long
+// so a 16-row weight fragment, dequantised once, serves every 8-token tile of the block (up to
+// 16 tokens: more tokens are more blocks, each dequantising again, to keep the registers of two
+// tiles and the occupancy they allow). The order of k inside an mma is free as long
 // as A and B agree, so each lane loads one 16-byte word run per weight row per chunk (4 lanes
 // cover a row's 64 contiguous bytes: KC = 128 4-bit / 64 8-bit k) and feeds k-slots {2c, 2c+1,
 // 2c+8, 2c+9} of step j from its own k = c*EPT + 4j .. 4j+3; its x fragment is the same four k of
@@ -13,7 +14,9 @@
 //
 // A block is NW warps on the same 32 weight rows (EPI 2: 16 gate rows and the 16 matching up
 // rows), splitting the K chunks between them (warp w takes chunks w, w + NW, ...), and 8*MT
-// tokens (blockIdx.y picks the token tile); the warps' fp32 partials are added in shared memory.
+// tokens (blockIdx.x picks the token tile, blockIdx.y the weight rows: the token tiles of the same
+// weight rows run side by side, so all but the first read the weights from L2); the warps' fp32
+// partials are added in shared memory.
 // The next chunk's weights, scales and biases are loaded before the current chunk is used.
 // Rows past N and tokens past M are clamped for loads and never stored.
 //
@@ -34,7 +37,7 @@
   const int NOUT = EPI == 2 ? N / 2 : N;
   const int KW = K * BITS / 32, KG = K / GS, nchunk = K / KC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const int m0 = blockIdx.y * 8 * MT;
+  const int m0 = blockIdx.x * 8 * MT;
 
   auto mma = [](float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
 #ifdef __CUDA_ARCH__
@@ -96,8 +99,8 @@
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int local = g + 8 * h;
-      wrow[r][h] = EPI == 2 ? min(blockIdx.x * 16 + local, NOUT - 1) + r * NOUT
-                            : min(blockIdx.x * 32 + r * 16 + local, N - 1);
+      wrow[r][h] = EPI == 2 ? min(blockIdx.y * 16 + local, NOUT - 1) + r * NOUT
+                            : min(blockIdx.y * 32 + r * 16 + local, N - 1);
     }
   const T* xrow[MT];
 #pragma unroll
@@ -204,7 +207,7 @@
 #pragma unroll
     for (int i = 0; i < NW; ++i) v += red[i][fl][tl];
 #if EPI == 2
-    const int n = blockIdx.x * 16 + fl;
+    const int n = blockIdx.y * 16 + fl;
     if (m >= M || n >= NOUT) continue;
     float up = 0.0f;
 #pragma unroll
@@ -214,7 +217,7 @@
     const float act = static_cast<float>(static_cast<T>(gt * sg));
     y[(size_t)m * NOUT + n] = static_cast<T>(act * static_cast<float>(static_cast<T>(up)));
 #else
-    const int n = blockIdx.x * 32 + fl;
+    const int n = blockIdx.y * 32 + fl;
     if (m >= M || n >= N) continue;
     T out = static_cast<T>(v);
 #if HAS_BIAS

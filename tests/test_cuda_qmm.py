@@ -45,13 +45,13 @@ def expected(x, w, dtype, epi, res=None):
 
 
 CASES = [  # M, K, N, bits, group, dtype, epi, bias
-    (100, 256, 72, 4, 64, BF16, 0, False),     # two token tiles, the second of 36 rows
-    (130, 384, 40, 8, 32, F16, 0, True),       # three tiles, the last of 2 rows; 8-bit
+    (100, 256, 72, 4, 64, BF16, 0, False),     # seven token tiles of 16, the last of 4 rows
+    (130, 384, 40, 8, 32, F16, 0, True),       # nine tiles, the last of 2 rows; 8-bit
     (9, 1024, 33, 4, 128, F16, 0, False),      # one tile, K over 8 warps, 1 row in the last block
     (9, 2560, 40, 4, 64, BF16, 0, True),       # 20 chunks over 8 warps: 4 warps take one more
     (77, 128, 64, 4, 32, BF16, 2, False),      # swiglu, one chunk of K
     (20, 256, 48, 4, 32, F16, 2, False),       # swiglu in half
-    (65, 512, 96, 8, 64, BF16, 2, False),      # swiglu, 8-bit, a second tile of 1 row
+    (65, 512, 96, 8, 64, BF16, 2, False),      # swiglu, 8-bit, a fifth tile of 1 row
     (33, 640, 80, 4, 64, BF16, 1, False),      # + residual (o_proj / down in FastBlock.wide)
     (12, 256, 40, 8, 32, F16, 1, True),        # + bias + residual, 8-bit
     (4, 256, 40, 4, 64, BF16, 1, False),       # 4 rows (FastBlock.wide's fewest on large layers)

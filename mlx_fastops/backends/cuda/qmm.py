@@ -8,7 +8,8 @@ path (prefill.py).
 
 On these rows a GEMM is a weight read: MLX's quantized_matmul reaches 1-81 TFLOP/s on the H200,
 dequantise + dense matmul less (benchmarks/results/cuda_prefill.md). Here one weight read serves
-every token of the block, dequantised once per 16 rows in registers.
+the block's 16 tokens, dequantised in registers; the blocks of the other tokens read the same
+weights at the same time, from L2.
 """
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ from ...kernels import cached_builder, cuda_kernel
 from .source import HALF, kernel_name, rows, source
 
 QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this path by 64-token chunks
-TOKENS_MAX = 64     # tokens per block: 8 mma tiles of 8 (more rows: more blocks along y)
+TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
 SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
 WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
 
@@ -40,7 +41,7 @@ def takes_weight(w, dtype):
 
 
 def qmm_config(M, K, NOUT, bits, epi):
-    """(MT, NW, blocks along x, blocks along y)."""
+    """(MT, NW, weight blocks, token blocks)."""
     MT = min(TOKENS_MAX, -(-M // 8) * 8) // 8
     by = -(-M // (8 * MT))
     bx = -(-NOUT // (16 if epi == 2 else 32))
@@ -75,5 +76,5 @@ def qmm(x, w, epi=0, res=None):
     inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
     inputs += [res.reshape(M, N)] if epi == 1 else []
     y = kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[x.dtype],
-             grid=(bx * NW * 32, by, 1), threadgroup=(NW * 32, 1, 1))[0]
+             grid=(by * NW * 32, bx, 1), threadgroup=(NW * 32, 1, 1))[0]
     return y.reshape(*x.shape[:-1], nout)
