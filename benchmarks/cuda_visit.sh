@@ -88,7 +88,7 @@ case "$mode" in
     grep -E "^\| (qwen|llama)" "$R/cuda_tune.md" | cut -c1-200
     cp "$R"/cuda_tune.* "$OUT/" ;;
   batch)
-    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-4b,qwen3-8b,qwen3-0.6b --batches 1,4,8,16,32 -p 256 -g 32 -n 1 \
+    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-4b,qwen3-8b,qwen3-0.6b --batches 1,4,8,16,32 -p 256 -g 32 -n 2 \
       --out "$R/cuda_batch" > "$OUT/batch.log" 2>&1
     grep -E "^\| (qwen|llama)" "$R/cuda_batch.md" | cut -c1-170; cp "$R"/cuda_batch.* "$OUT/" ;;
   qmm)
