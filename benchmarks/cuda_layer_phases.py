@@ -82,7 +82,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             if (resident or default_resident) != gemv.RESIDENT_BLOCKS:
                 gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
                 kernels.clear_builders()
-            nsplit = attention.attn_partials(batch * fb.HKV, S, fb.H // fb.HKV, fb.gb, fb.D)[0]
+            nsplit = attention.attn_partials(batch * fb.HKV, None, fb.H // fb.HKV, fb.gb, fb.D)[0]   # as layer.py
             bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
             # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
             # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's

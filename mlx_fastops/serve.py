@@ -75,25 +75,42 @@ def port_problem(host, port):
     return None
 
 
+WARM_UP_PROMPT_ROWS = 64   # prompt chunks of up to this many rows have their own kernels (CUDA's qmm)
+
+
 def warm_up(model, rows):
-    """Decode on `model` once at every batch size 1..rows, through mlx-lm's BatchGenerator as the
-    server runs it; returns the seconds each batch size took (index 0: 1 row).
+    """Run `model` through mlx-lm's BatchGenerator, as the server does, at every decode batch size
+    1..rows, then on one prompt of every length whose chunk takes its own kernels (up to
+    WARM_UP_PROMPT_ROWS rows); returns the seconds each batch size took (index 0: 1 row), the
+    prompts' seconds added to the last.
 
     Why: our CUDA kernels are built by NVRTC (seconds each) on the first use of each shape class in
-    each process, and a server meets its decode row counts one after another as requests come and
-    go, so without this it builds them mid-service and stalls every request in flight. Each batch
-    is b prompts of 2 token ids (valid in any vocabulary), 2 tokens each: a b-row decode step."""
+    each process, and a server meets its decode row counts and prompt lengths one after another as
+    requests come and go, so without this it builds them mid-service and stalls every request in
+    flight. Each batch is b prompts of 2 token ids (valid in any vocabulary), 2 tokens each: a b-row
+    decode step; each prompt of n + 1 token ids is an n-row prompt chunk (the last token is the
+    first decode step's)."""
     from mlx_lm.generate import BatchGenerator
+
+    def run(prompts, max_tokens):
+        gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(prompts),
+                             prefill_batch_size=len(prompts))
+        try:
+            gen.insert(prompts)
+            while gen.next_generated():
+                pass
+        finally:
+            gen.close()
 
     seconds = []
     for b in range(1, rows + 1):
         t0 = time.perf_counter()
-        gen = BatchGenerator(model, max_tokens=2, completion_batch_size=b, prefill_batch_size=b)
-        gen.insert([[1, 2]] * b)
-        while gen.next_generated():
-            pass
-        gen.close()
+        run([[1, 2]] * b, 2)
         seconds.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for n in range(2, WARM_UP_PROMPT_ROWS + 1):
+        run([[1, 2] * (n // 2) + [1] * (n % 2) + [2]], 1)
+    seconds[-1] += time.perf_counter() - t0
     return seconds
 
 
@@ -143,11 +160,18 @@ def patching_provider(disable, failed, warm_up_rows=None):
         def _warm_up(self, rows):
             if not rows:
                 return
-            if not self.is_batchable:   # served one request at a time: no BatchGenerator runs it
+            # served one request at a time (as mlx_lm.server decides: also with --kv-bits): no
+            # BatchGenerator runs it
+            if not self.is_batchable or self.cli_args.kv_bits is not None:
                 print("[serve] warm-up: skipped, the model is served one request at a time",
                       file=sys.stderr, flush=True)
                 return
-            print(f"[serve] warm-up: {warm_up_summary(warm_up(self.model, rows))}", file=sys.stderr, flush=True)
+            try:
+                seconds = warm_up(self.model, rows)
+            except Exception as e:
+                raise RuntimeError(f"the warm-up failed ({type(e).__name__}: {e}); --warm-up-rows 0 "
+                                   "skips it") from e
+            print(f"[serve] warm-up: {warm_up_summary(seconds)}", file=sys.stderr, flush=True)
 
         def load_default(self):
             try:
@@ -184,7 +208,7 @@ def serve(source, server_argv, disable="", bits=4, group_size=64, dtype=None, wa
     finally:
         _remove(folder)
     if failed.is_set():   # the error is in mlx_lm.server's log above
-        print(f"{PROG}: error: the model could not be loaded and patched (see above); server stopped", file=sys.stderr)
+        print(f"{PROG}: error: the model could not be loaded, patched and warmed up (see above); server stopped", file=sys.stderr)
         status = 1
     # Not a normal interpreter exit: MLX aborts in it ("terminate called without an active
     # exception", mlx 0.32 on its CPU backend, stock mlx_lm.server too) once it ran in a thread

@@ -172,17 +172,41 @@ def test_the_provider_warms_up_each_model_once_patched(model_dir, monkeypatch, c
                                                 "(longest: 1 rows 1.0 s, 2 rows 0.5 s)\n")
 
 
+def test_no_warm_up_where_the_server_never_batches(model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(serve, "warm_up", lambda model, rows: pytest.fail("warmed up"))
+    args = serve.server_args(["--model", str(model_dir), "--kv-bits", "8"])   # mlx_lm.server: one at a time
+    serve.patching_provider("", threading.Event(), 2)(args).load("default_model")
+    assert capsys.readouterr().err.endswith("[serve] warm-up: skipped, the model is served one request at a time\n")
+
+
+def test_a_failed_warm_up_stops_the_load_and_says_so(model_dir, monkeypatch):
+    def warm_up(model, rows):
+        raise MemoryError("out of memory at 2 rows")
+
+    monkeypatch.setattr(serve, "warm_up", warm_up)
+    provider = serve.patching_provider("", threading.Event(), 2)(serve.server_args(["--model", str(model_dir)]))
+    with pytest.raises(RuntimeError, match=r"the warm-up failed \(MemoryError: out of memory at 2 rows\); "
+                                           r"--warm-up-rows 0 skips it"):
+        provider.load("default_model")
+    assert provider.model is None   # reset: the server does not go on with this model cold
+
+
 def test_warm_up_decodes_once_at_each_row_count_and_leaves_the_model_as_it_was(monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
 
     generate = importlib.import_module("mlx_lm.generate")   # the module; mlx_lm.generate is also a function
 
     made = []   # per BatchGenerator made: (completion_batch_size, rows of each step that generated)
+    lengths = []   # per BatchGenerator made: its prompts' lengths
 
     class Recording(generate.BatchGenerator):
         def __init__(self, model, **kwargs):
             super().__init__(model, **kwargs)
             made.append((kwargs["completion_batch_size"], []))
+
+        def insert(self, prompts, *args, **kwargs):
+            lengths.append([len(p) for p in prompts])
+            return super().insert(prompts, *args, **kwargs)
 
         def next_generated(self):
             responses = super().next_generated()
@@ -197,7 +221,10 @@ def test_warm_up_decodes_once_at_each_row_count_and_leaves_the_model_as_it_was(m
     before = model(tokens, cache=make_prompt_cache(model))
     seconds = serve.warm_up(model, 3)
     assert len(seconds) == 3 and all(t > 0 for t in seconds)
-    assert made == [(1, [1, 1]), (2, [2, 2]), (3, [3, 3])]   # 2 tokens per row, all rows in each step
+    assert made[:3] == [(1, [1, 1]), (2, [2, 2]), (3, [3, 3])]   # 2 tokens per row, all rows in each step
+    # then one prompt of each chunk length 2..WARM_UP_PROMPT_ROWS (and its last token), one token each
+    assert made[3:] == [(1, [1])] * (serve.WARM_UP_PROMPT_ROWS - 1)
+    assert lengths == [[2]] * 1 + [[2] * 2] + [[2] * 3] + [[n + 1] for n in range(2, serve.WARM_UP_PROMPT_ROWS + 1)]
     assert mx.array_equal(model(tokens, cache=make_prompt_cache(model)), before)
 
 
@@ -275,7 +302,7 @@ def test_a_model_that_cannot_be_patched_stops_the_server(model_dir, tmp_path):
             server.proc.kill()
             server.proc.wait(STOP_TIMEOUT)
     assert "unsupported model family 'phi3'" in server.text()
-    assert server.text().rstrip().endswith("could not be loaded and patched (see above); server stopped")
+    assert server.text().rstrip().endswith("could not be loaded, patched and warmed up (see above); server stopped")
 
 
 @pytest.fixture

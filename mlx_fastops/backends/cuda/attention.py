@@ -23,14 +23,16 @@ LOG2E = 1.4426950408889634
 
 
 def attn_splits(S, rows):
-    """Splits per (b, l, kv head): enough blocks to fill the GPU, no more than the cache can use."""
+    """Splits per (b, l, kv head): enough blocks to fill the GPU, no more than a cache buffer of S
+    slots can use (S None: no such bound; splits past the valid length are empty)."""
     want = -(-ATTN_TARGET_BLOCKS // rows)
-    return max(1, min(want, ATTN_MAX_SPLITS, -(-S // ATTN_MINCH)))
+    return max(1, min(want, ATTN_MAX_SPLITS, ATTN_MAX_SPLITS if S is None else -(-S // ATTN_MINCH)))
 
 
 def attn_partials(rows, S, G, gb, D):
     """(splits, shapes of the partials pm and po) of an attention launch over `rows` (b, l, kv head)
-    triples, each split further into G / gb head subgroups, over cache buffers of S slots."""
+    triples, each split further into G / gb head subgroups, over cache buffers of S slots (None: see
+    attn_splits)."""
     nsplit = attn_splits(S, rows * G // gb)
     return nsplit, [(rows, nsplit, G, 2), (rows, nsplit, G, D)]
 

@@ -21,6 +21,8 @@ QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this p
 TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
 SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
 WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
+MAX_WARPS = 8       # warps a block (the partials in shared memory, 128 registers at MT = 2)
+MAX_WEIGHT_BLOCKS = 65535   # grid y: CUDA's limit
 
 
 def chunk_k(bits):
@@ -35,21 +37,29 @@ def takes(x, w):
 
 def takes_weight(w, dtype):
     """Whether the kernel takes w for activations of `dtype`: 4/8-bit weights, half activations in
-    the scales' dtype, K in whole chunks (Qwen3, Llama and Qwen2 hidden and intermediate sizes are)."""
+    the scales' dtype, K in whole chunks (Qwen3, Llama and Qwen2 hidden and intermediate sizes are),
+    the rows in the grid's y (2M: no vocabulary comes near)."""
     return (w.quantized and w.bits in (4, 8) and w.group_size in (32, 64, 128) and dtype in HALF
-            and dtype == w.scales.dtype and w.in_features % chunk_k(w.bits) == 0)
+            and dtype == w.scales.dtype and w.in_features % chunk_k(w.bits) == 0
+            and weight_blocks(w.out_features, 0) <= MAX_WEIGHT_BLOCKS)
+
+
+def weight_blocks(nout, epi):
+    """Blocks along the weight rows: 32 rows each (EPI 2: 16 gate rows and their 16 up rows)."""
+    return -(-nout // (16 if epi == 2 else 32))
 
 
 def qmm_config(M, K, NOUT, bits, epi):
     """(MT, NW, weight blocks, token blocks)."""
     MT = min(TOKENS_MAX, -(-M // 8) * 8) // 8
-    by = -(-M // (8 * MT))
-    bx = -(-NOUT // (16 if epi == 2 else 32))
+    tokens = -(-M // (8 * MT))
+    weights = weight_blocks(NOUT, epi)
     nchunk = K // chunk_k(bits)
     NW = 1
-    while NW * 2 <= min(nchunk, 8) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS and bx * by * NW < WARPS_MIN:
+    while (NW * 2 <= min(nchunk, MAX_WARPS) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS
+           and weights * tokens * NW < WARPS_MIN):
         NW *= 2
-    return MT, NW, bx, by
+    return MT, NW, weights, tokens
 
 
 @cached_builder
@@ -71,10 +81,10 @@ def qmm(x, w, epi=0, res=None):
     if (epi == 1) != (res is not None):
         raise ValueError("qmm: a residual goes with epi 1, and only with it")
     bias = w.bias is not None
-    MT, NW, bx, by = qmm_config(M, K, nout, w.bits, epi)
+    MT, NW, weights, tokens = qmm_config(M, K, nout, w.bits, epi)
     kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, epi, bias)
     inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
     inputs += [res.reshape(M, N)] if epi == 1 else []
     y = kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[x.dtype],
-             grid=(by * NW * 32, bx, 1), threadgroup=(NW * 32, 1, 1))[0]
+             grid=(tokens * NW * 32, weights, 1), threadgroup=(NW * 32, 1, 1))[0]
     return y.reshape(*x.shape[:-1], nout)
