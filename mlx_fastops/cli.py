@@ -357,8 +357,9 @@ def build_parser():
                                    "a synthetic name. SIGINT or SIGTERM stops it (exit status 0).")
     model_args(s)
     s.add_argument("--warm-up-rows", type=at_least(0), default=None, metavar="N",
-                   help="before serving, decode once at every batch size 1..N, so that kernels built on "
-                        "first use (CUDA's, by NVRTC) are not built mid-service; 0: off (default: on the CUDA "
+                   help="before serving, decode once at every batch size 1..N and prefill one prompt of "
+                        "each chunk length 2-64, so that kernels built on first use (CUDA's, by NVRTC) are "
+                        "built before serving; 0: off (default: on the CUDA "
                         "backend the server's --decode-concurrency, or --prompt-concurrency if larger; "
                         "on the others 0)")
     s.set_defaults(func=cmd_serve)

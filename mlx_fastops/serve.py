@@ -4,8 +4,9 @@ batching and prompt cache) on patched models.
 Nothing of the server is re-implemented: `mlx_lm.server.main` runs on the rest of the command line.
 The one seam is its `ModelProvider`, whose `_load` is extended so that every model the server loads
 (the --model one when it starts, any other that a request names) is patched before a request runs
-on it, and its patch report goes to stderr, then (warm_up) its decode runs once at every batch size
-the server can reach. Draft models (--draft-model) stay stock.
+on it, and its patch report goes to stderr, then (warm_up) it decodes once at every batch size the
+server can reach and prefills once at every prompt chunk length with kernels of its own. Draft
+models (--draft-model) stay stock.
 """
 
 import _thread
