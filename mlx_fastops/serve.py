@@ -77,20 +77,31 @@ def port_problem(host, port):
 
 
 WARM_UP_PROMPT_ROWS = 64   # prompt chunks of up to this many rows have their own kernels (CUDA's qmm)
+WARM_UP_FEW_ROWS = 8       # ... and batches of up to this many rows, by their shape (the one-launch layer's)
+
+
+def warm_up_prompts():
+    """The prompt batches of warm_up, as token-id lists: one prompt of n + 1 ids for every chunk of
+    n = 2..WARM_UP_PROMPT_ROWS rows (BatchGenerator keeps a prompt's last token for the first decode
+    step), then b >= 2 prompts of n + 1 ids for every b x n <= WARM_UP_FEW_ROWS, n >= 2: of equal
+    length, and with the first one id shorter (a padded chunk, which takes other kernels)."""
+    ids = lambda n: ([1, 2] * n)[:n]   # valid in any vocabulary
+    batches = [[ids(n + 1)] for n in range(2, WARM_UP_PROMPT_ROWS + 1)]
+    for b in range(2, WARM_UP_FEW_ROWS // 2 + 1):
+        for n in range(2, WARM_UP_FEW_ROWS // b + 1):
+            batches += [[ids(n + 1)] * b, [ids(n)] + [ids(n + 1)] * (b - 1)]
+    return batches
 
 
 def warm_up(model, rows):
-    """Run `model` through mlx-lm's BatchGenerator, as the server does, at every decode batch size
-    1..rows, then on one prompt of every length whose chunk takes its own kernels (up to
-    WARM_UP_PROMPT_ROWS rows); returns the seconds each batch size took (index 0: 1 row), the
-    prompts' seconds added to the last.
+    """Run `model` through mlx-lm's BatchGenerator, as the server does: a decode step at every batch
+    size 1..rows (b prompts of 2 ids, 2 tokens each), then the prompt batches of warm_up_prompts (1
+    token each); returns (seconds per batch size, index 0: 1 row; seconds of all the prompts).
 
     Why: our CUDA kernels are built by NVRTC (seconds each) on the first use of each shape class in
-    each process, and a server meets its decode row counts and prompt lengths one after another as
+    each process, and a server meets its decode row counts and prompt shapes one after another as
     requests come and go, so without this it builds them mid-service and stalls every request in
-    flight. Each batch is b prompts of 2 token ids (valid in any vocabulary), 2 tokens each: a b-row
-    decode step; each prompt of n + 1 token ids is an n-row prompt chunk (the last token is the
-    first decode step's)."""
+    flight."""
     from mlx_lm.generate import BatchGenerator
 
     def run(prompts, max_tokens):
@@ -103,23 +114,24 @@ def warm_up(model, rows):
         finally:
             gen.close()
 
-    seconds = []
+    decode = []
     for b in range(1, rows + 1):
         t0 = time.perf_counter()
         run([[1, 2]] * b, 2)
-        seconds.append(time.perf_counter() - t0)
+        decode.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    for n in range(2, WARM_UP_PROMPT_ROWS + 1):
-        run([[1, 2] * (n // 2) + [1] * (n % 2) + [2]], 1)
-    seconds[-1] += time.perf_counter() - t0
-    return seconds
+    for prompts in warm_up_prompts():
+        run(prompts, 1)
+    return decode, time.perf_counter() - t0
 
 
-def warm_up_summary(seconds):
-    """'decode of 1-N rows in T s' and the three longest batch sizes (where the builds went)."""
-    longest = sorted(range(len(seconds)), key=lambda i: -seconds[i])[:3]
-    parts = ", ".join(f"{i + 1} rows {seconds[i]:.1f} s" for i in longest)
-    return f"decode of 1-{len(seconds)} rows in {sum(seconds):.1f} s (longest: {parts})"
+def warm_up_summary(decode, prompts):
+    """'decode of 1-N rows in T s' with the three longest batch sizes (where the builds went), then
+    the prompts' seconds."""
+    longest = sorted(range(len(decode)), key=lambda i: -decode[i])[:3]
+    parts = ", ".join(f"{i + 1} rows {decode[i]:.1f} s" for i in longest)
+    return (f"decode of 1-{len(decode)} rows in {sum(decode):.1f} s (longest: {parts}); "
+            f"prompts of 2-{WARM_UP_PROMPT_ROWS} rows in {prompts:.1f} s")
 
 
 def rows_to_warm_up(requested, backend, cli_args):
@@ -168,11 +180,11 @@ def patching_provider(disable, failed, warm_up_rows=None):
                       file=sys.stderr, flush=True)
                 return
             try:
-                seconds = warm_up(self.model, rows)
+                decode, prompts = warm_up(self.model, rows)
             except Exception as e:
                 raise RuntimeError(f"the warm-up failed ({type(e).__name__}: {e}); --warm-up-rows 0 "
                                    "skips it") from e
-            print(f"[serve] warm-up: {warm_up_summary(seconds)}", file=sys.stderr, flush=True)
+            print(f"[serve] warm-up: {warm_up_summary(decode, prompts)}", file=sys.stderr, flush=True)
 
         def load_default(self):
             try:

@@ -139,6 +139,26 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_
     # margin of 0.5 counted near-ties there that either path flips.)
 
 
+@pytest.mark.cuda
+def test_one_launch_layer_is_built_once_across_cache_lengths(cuda_or_emulator, monkeypatch):
+    """A batch cache grows by 256 slots; the one-launch layer's build must not follow it (a server
+    would build it again mid-service after a longer prompt: the warm-up covers row counts only)."""
+    from mlx_fastops.backends.cuda import layer
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16)
+    mlx_fastops.patch(model)
+    try:
+        built = []
+        for n in (7, 300):   # buffers of 256 and 512 slots (splits 16 and 32 if they followed them)
+            batch_generator_run(model, _prompts((n,), model.args.vocab_size), (3,), (0,))
+            built.append(layer.layer_build.cache_info().currsize)
+    finally:
+        mlx_fastops.unpatch(model)
+    assert built[0] >= 1 and built[1] == built[0], built
+
+
 TAKES = [  # the step's max_rows, sequences, new tokens each, taken by the compiled step
     (64, 1, 8, True), (64, 2, 4, True), (64, 9, 1, True), (64, 64, 1, True),
     (64, 1, 9, False),   # a prompt chunk of 9+ tokens: the composed ops (wide's kernels are built per L)

@@ -75,9 +75,10 @@ def test_qmm_matches_its_weights_in_float64(M, K, N, bits, gs, dtype, epi, bias,
         assert same > 0.99, same
 
 
-def _linear(x_dtype, rows, K, bits=4, gs=64, w_dtype=BF16):
+def _linear(x_dtype, rows, K, bits=4, gs=64, w_dtype=BF16, out=32):
+    """x and a weight of `out` rows as takes() sees them (the arrays hold 32: takes reads no data)."""
     wq, s, b = mx.quantize(mx.zeros((32, K)), group_size=gs, bits=bits)
-    return mx.zeros((rows, K), x_dtype), PackedLinear(wq, s.astype(w_dtype), b.astype(w_dtype), None, (32,), K, bits, gs)
+    return mx.zeros((rows, K), x_dtype), PackedLinear(wq, s.astype(w_dtype), b.astype(w_dtype), None, (out,), K, bits, gs)
 
 
 TAKES = [  # x dtype, rows, K, bits, group, scales' dtype, taken
@@ -95,3 +96,8 @@ TAKES = [  # x dtype, rows, K, bits, group, scales' dtype, taken
 @pytest.mark.parametrize("xd,rows,K,bits,gs,wd,taken", TAKES)
 def test_which_calls_qmm_takes(xd, rows, K, bits, gs, wd, taken):
     assert qmm.takes(*_linear(xd, rows, K, bits, gs, wd)) is taken
+
+
+@pytest.mark.parametrize("out, taken", [(65535 * 32, True), (65535 * 32 + 1, False)])   # grid y: 65535 blocks
+def test_qmm_takes_weights_of_at_most_65535_row_blocks(out, taken):
+    assert qmm.takes(*_linear(BF16, 9, 256, out=out)) is taken

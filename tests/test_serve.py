@@ -162,14 +162,14 @@ def test_the_provider_warms_up_each_model_once_patched(model_dir, monkeypatch, c
 
     def warm_up(model, rows):
         calls.append((mlx_fastops.is_patched(model), rows))
-        return [1.0, 0.5]
+        return [1.0, 0.5], 2.0
 
     monkeypatch.setattr(serve, "warm_up", warm_up)
     args = serve.server_args(["--model", str(model_dir)])
     serve.patching_provider("", threading.Event(), 2)(args).load("default_model")
     assert calls == [(True, 2)]
     assert capsys.readouterr().err.endswith("[serve] warm-up: decode of 1-2 rows in 1.5 s "
-                                                "(longest: 1 rows 1.0 s, 2 rows 0.5 s)\n")
+                                                "(longest: 1 rows 1.0 s, 2 rows 0.5 s); prompts of 2-64 rows in 2.0 s\n")
 
 
 def test_no_warm_up_where_the_server_never_batches(model_dir, monkeypatch, capsys):
@@ -191,40 +191,37 @@ def test_a_failed_warm_up_stops_the_load_and_says_so(model_dir, monkeypatch):
     assert provider.model is None   # reset: the server does not go on with this model cold
 
 
-def test_warm_up_decodes_once_at_each_row_count_and_leaves_the_model_as_it_was(monkeypatch):
+class _Shapes:
+    """A model as BatchGenerator uses it, recording the (batch, tokens) shape of every call."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.calls.append(tuple(inputs.shape))
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_warm_up_runs_the_servers_shapes_and_leaves_the_model_as_it_was():
+    """What the model sees: a decode step at every batch size, then every prompt chunk of 2-64 rows
+    alone and the batches of up to 8 rows (equal and padded lengths), as their own prefill calls."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    generate = importlib.import_module("mlx_lm.generate")   # the module; mlx_lm.generate is also a function
-
-    made = []   # per BatchGenerator made: (completion_batch_size, rows of each step that generated)
-    lengths = []   # per BatchGenerator made: its prompts' lengths
-
-    class Recording(generate.BatchGenerator):
-        def __init__(self, model, **kwargs):
-            super().__init__(model, **kwargs)
-            made.append((kwargs["completion_batch_size"], []))
-
-        def insert(self, prompts, *args, **kwargs):
-            lengths.append([len(p) for p in prompts])
-            return super().insert(prompts, *args, **kwargs)
-
-        def next_generated(self):
-            responses = super().next_generated()
-            if responses:
-                made[-1][1].append(len(responses))
-            return responses
-
-    monkeypatch.setattr(generate, "BatchGenerator", Recording)
     model = mlx_fastops.synthetic_model("qwen3-tiny")
     mlx_fastops.patch(model)
     tokens = mx.array([[5, 17, 300, 9]])
     before = model(tokens, cache=make_prompt_cache(model))
-    seconds = serve.warm_up(model, 3)
-    assert len(seconds) == 3 and all(t > 0 for t in seconds)
-    assert made[:3] == [(1, [1, 1]), (2, [2, 2]), (3, [3, 3])]   # 2 tokens per row, all rows in each step
-    # then one prompt of each chunk length 2..WARM_UP_PROMPT_ROWS (and its last token), one token each
-    assert made[3:] == [(1, [1])] * (serve.WARM_UP_PROMPT_ROWS - 1)
-    assert lengths == [[2]] * 1 + [[2] * 2] + [[2] * 3] + [[n + 1] for n in range(2, serve.WARM_UP_PROMPT_ROWS + 1)]
+    seen = _Shapes(model)
+    decode, prompts = serve.warm_up(seen, 3)
+    assert len(decode) == 3 and all(t > 0 for t in decode) and prompts > 0
+    steps = [c for c in seen.calls if c[1] == 1]
+    assert {(b, 1) for b in (1, 2, 3)} <= set(steps) and {c[0] for c in steps} <= {1, 2, 3, 4}
+    chunks = [c for c in seen.calls if c[1] > 1]
+    few = [(2, 2), (2, 3), (2, 4), (3, 2), (4, 2)]
+    assert chunks == [(1, n) for n in range(2, serve.WARM_UP_PROMPT_ROWS + 1)] + [c for c in few for _ in "ep"]
     assert mx.array_equal(model(tokens, cache=make_prompt_cache(model)), before)
 
 
@@ -245,7 +242,7 @@ def test_warm_up_rows_default_by_backend(requested, backend, concurrency, rows):
 # (the patched server's flags, the patterns of its warm-up lines): on the CPU none unless asked for
 @pytest.mark.parametrize("flags, warm_up_lines", [
     ([], []),
-    (["--warm-up-rows", "3"], [r"\[serve\] warm-up: decode of 1-3 rows in \d+\.\d s \(longest: (\d rows \d+\.\d s(, )?){3}\)"]),
+    (["--warm-up-rows", "3"], [r"\[serve\] warm-up: decode of 1-3 rows in \d+\.\d s \(longest: (\d rows \d+\.\d s(, )?){3}\); prompts of 2-64 rows in \d+\.\d s"]),
 ], ids=["default", "warm-up-rows-3"])
 def test_greedy_answers_equal_stock_servers(model_dir, tmp_path, flags, warm_up_lines):
     results, logs = {}, {}

@@ -223,7 +223,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     M = B * L
     qkv, gu = fb.qkv, fb.gate_up
     # nsplit is compiled into the launch, so it does not follow the buffer's length: a batch cache's
-    # grows by 256 slots, and a server would build a launch per length class mid-service
+    # buffer grows by 256 slots, and a server would build a launch per length class mid-service
     nsplit, partials = attn_partials(M * fb.HKV, None, fb.H // fb.HKV, fb.gb, fb.D)
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     head = fb.head + (("L", L),) + ((("lpad", True),) if len(bufs[0]) == 4 else ())
