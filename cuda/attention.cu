@@ -93,18 +93,7 @@
 #pragma unroll
     for (int j = 0; j < 8; ++j) qf[g][j] = static_cast<float>(tmp[j]) * SCALE_LOG2;
   }
-  float mx_[GB], ls[GB], of[GB][8];
-#pragma unroll
-  for (int g = 0; g < GB; ++g) {
-    mx_[g] = -INFINITY;
-    ls[g] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) of[g][j] = 0.f;
-  }
-
-  // Lanes of one LPP group share p, so the group leaves the loop together; shuffle on the
-  // group's mask only (groups of one warp may run different trip counts).
-  const unsigned gmask = LPP == 32 ? 0xffffffffu : (((1u << LPP) - 1u) << (sub * LPP));
+#include "split_states.cuh"
   const int64_t kbase = b * kc_strides[0] + hk * kc_strides[1] + d0;
   const int64_t vbase = b * vc_strides[0] + hk * vc_strides[1] + d0;
 #pragma unroll 4

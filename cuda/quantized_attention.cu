@@ -65,18 +65,7 @@
       qsum[g] += qf[g][j];
     }
   }
-  float mx_[G], ls[G], of[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    mx_[g] = -INFINITY;
-    ls[g] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) of[g][j] = 0.f;
-  }
-
-  // Lanes of one LPP group share p, so the group leaves the loop together; shuffle on the
-  // group's mask only (groups of one warp may run different trip counts).
-  const unsigned gmask = LPP == 32 ? 0xffffffffu : (((1u << LPP) - 1u) << (sub * LPP));
+#include "split_states.cuh"
   const unsigned* kwp = kw + b * kw_strides[0] + hk * kw_strides[1] + li * WPL;
   const unsigned* vwp = vw + b * vw_strides[0] + hk * vw_strides[1] + li * WPL;
   const T* ksp = ks + b * ks_strides[0] + hk * ks_strides[1] + d0 / GS;
