@@ -138,10 +138,9 @@ case "$mode" in
       --reps 4 --out "$R/cuda_host_groups" > "$OUT/groups.log" 2>&1
     tail -n 16 "$OUT/groups.log"; cp "$R"/cuda_host_groups.* "$OUT/" ;;
   trace)
-    stem=cuda_trace_${MODEL:-qwen3-0.6b}$( [ "${BATCH:-0}" != 0 ] && echo "_b$BATCH" )
     timeout 150 python3 benchmarks/cuda_trace.py --model "${MODEL:-qwen3-0.6b}" --batch "${BATCH:-0}" --prompt "${PROMPT:-512}" \
       --out "$R" > "$OUT/trace.log" 2>&1
-    grep -v Warning "$OUT/trace.log" | tail -n 40; cp "$R/$stem".* "$OUT/" ;;
+    grep -v Warning "$OUT/trace.log" | tail -n 40; cp "$R/cuda_trace_${MODEL:-qwen3-0.6b}"*.* "$OUT/" ;;
   ncu)
     timeout 150 ncu --clock-control none -k regex:fastops --launch-count 40 --section SpeedOfLight \
       --section WarpStateStats --section Occupancy --section LaunchStats \

@@ -23,21 +23,11 @@ from mlx_fastops.backends.cuda.source import offset_array, tickets
 from mlx_fastops.backends import reference as R
 from mlx_fastops.ops.weights import PackedLinear, RopeSpec
 
-pytestmark = [pytest.mark.cuda]
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("on_gpu")]   # on_gpu: the GPU, else the emulator
 
 # Stock MLX ops are a second opinion, on the GPU only (within ~1-2% there); the float32 oracle is
 # the first. MLX's CPU backend adds bf16 quantised matmuls up in bf16: 3-5% off at K >= 1024.
 ON_GPU = mx.cuda.is_available()
-
-
-@pytest.fixture(autouse=True)
-def cuda_or_emulator():
-    if mx.cuda.is_available():
-        yield
-        return
-    import cuda_emu
-    with kernels.use_cuda_factory(cuda_emu.cuda_kernel):
-        yield
 
 
 def rel(a, b):
