@@ -26,7 +26,8 @@ def attn_splits(S, rows):
     """Splits per (b, l, kv head): enough blocks to fill the GPU, no more than a cache buffer of S
     slots can use (S None: no such bound; splits past the valid length are empty)."""
     want = -(-ATTN_TARGET_BLOCKS // rows)
-    return max(1, min(want, ATTN_MAX_SPLITS, ATTN_MAX_SPLITS if S is None else -(-S // ATTN_MINCH)))
+    usable = ATTN_MAX_SPLITS if S is None else min(ATTN_MAX_SPLITS, -(-S // ATTN_MINCH))
+    return max(1, min(want, usable))
 
 
 def attn_partials(rows, S, G, gb, D):

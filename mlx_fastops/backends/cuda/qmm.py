@@ -21,7 +21,7 @@ QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this p
 TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
 SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
 WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
-MAX_WARPS = 8       # warps a block (a choice: 16 is branch qmm-16-warps' experiment, not settled)
+MAX_WARPS = 8       # warps a block at most (K split further only where the grid is small)
 MAX_WEIGHT_BLOCKS = 65535   # grid y: CUDA's limit
 
 
