@@ -105,6 +105,37 @@ def test_rows_pick_the_path(M, paths, monkeypatch):
     assert seen == paths, seen
 
 
+# (activations, scales, float32 matmuls in TF32, taken at 512 rows): float32 only where the dense
+# matmul is as precise as stock's quantized_matmul
+TAKES = [(mx.bfloat16, mx.bfloat16, True, True), (mx.float16, mx.float16, True, True),
+         (mx.float32, mx.float32, False, True), (mx.float32, mx.float32, True, False),
+         (mx.bfloat16, mx.float32, False, False)]
+
+
+@pytest.mark.parametrize("xdtype,sdtype,tf32,taken", TAKES)
+def test_dense_path_takes(xdtype, sdtype, tf32, taken, monkeypatch):
+    monkeypatch.setattr(prefill, "tf32_matmul", lambda: tf32)
+    w = packed(64, 128, 4, 64, sdtype)
+    assert prefill.takes(mx.zeros((1, prefill.PREFILL_MIN_ROWS, 128), xdtype), w) is taken
+    assert not prefill.takes(mx.zeros((1, prefill.PREFILL_MIN_ROWS - 1, 128), xdtype), w)
+    assert (gemv.unsupported_linear(**w.info()) is None) is (sdtype != mx.float32 or not tf32)
+
+
+# (MLX_ENABLE_TF32, a CUDA GPU, TF32): MLX's default is TF32 on a CUDA GPU
+TF32 = [(None, True, True), ("0", True, False), ("1", True, True), ("0", False, False), (None, False, False)]
+
+
+@pytest.mark.parametrize("env,gpu,tf32", TF32)
+def test_tf32_matmul(env, gpu, tf32, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    else:
+        monkeypatch.setenv("MLX_ENABLE_TF32", env)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu if gpu else mx.cpu))
+    assert prefill.tf32_matmul() is tf32
+
+
 @pytest.mark.parametrize("disable,dense", [((), True), (("prefill",), False)])
 def test_prefill_switch(disable, dense, monkeypatch):
     """A patched model's prompt runs the dense prefill path (QKV, gate/up, o_proj, down: 4 calls a
@@ -144,7 +175,8 @@ def test_prefill_path_in_a_whole_model(B, chunks, monkeypatch):
     """A prompt through a patched model, one-shot or in chunks into the same cache (each chunk a
     call of 512 rows or more), one or several prompts at once: every chunk's projections take the
     dense path (4 calls a layer), and the logits equal stock's up to float32 summation order
-    (float32 activations, so the dense and the quantised matmul differ only in that order)."""
+    (float32 activations, so the dense and the quantised matmul differ only in that order). On a
+    CUDA GPU float32 matmuls run in TF32 (MLX's default): there none takes the dense path."""
     import cuda_emu
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -171,5 +203,6 @@ def test_prefill_path_in_a_whole_model(B, chunks, monkeypatch):
             got = run()
         finally:
             mlx_fastops.unpatch(model)
-    assert calls == [(B, n) for n in chunks for _ in range(4 * len(model.layers))], calls
+    dense = [(B, n) for n in chunks for _ in range(4 * len(model.layers))]
+    assert calls == ([] if prefill.tf32_matmul() else dense), calls
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -17,7 +17,6 @@ from ...kernels import cached_builder, cuda_kernel
 from .. import reference
 from . import prefill, qmm
 from .head import head_defines
-from .prefill import PREFILL_MIN_ROWS
 from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
@@ -175,6 +174,8 @@ def unsupported_lm_head(**info):
 
 
 def unsupported_linear(**info):
+    if info["dtype"] == mx.float32 and prefill.tf32_matmul():
+        return "float32 matmuls run in TF32 here (MLX_ENABLE_TF32=0: in float32): stock quantized_matmul"
     return _unsupported_linear(**info)
 
 
@@ -189,7 +190,7 @@ def linear(x, w):
     single op the GEMV lost to it on the H200: 0.45-0.8x at decode B=1 for Qwen3-0.6B/4B's o_proj
     and down, timed by the tuner's probes on 2026-12-01)."""
     M = rows(x)
-    if M >= PREFILL_MIN_ROWS and x.dtype == w.scales.dtype:
+    if prefill.takes(x, w):
         return prefill.linear(x, w)
     if M > MAX_ROWS and qmm.takes(x, w):
         return qmm.qmm(x, w)

@@ -15,8 +15,13 @@ run them, and a buffer goes back to the allocator only once the kernels that use
 every layer's transient (and activations) of the chunk would be held at once. So each call waits,
 before returning, until the GPU has finished the call IN_FLIGHT_MAX calls back: the GPU always has
 the last few layers queued (no idle gap), and at most that many transients are alive.
+
+float32 activations: MLX runs float32 matmuls on a CUDA GPU in TF32 (about 1e-3 relative error per
+product) unless MLX_ENABLE_TF32=0, where stock's quantized_matmul stays in float32; so there they
+stay on quantized_matmul (measured on the H200: a float32 model's logits 1e-3 off stock's, dense).
 """
 
+import os
 from collections import deque
 
 import mlx.core as mx
@@ -25,6 +30,24 @@ PREFILL_MIN_ROWS = 512   # fewer rows stay on quantized_matmul
 IN_FLIGHT_MAX = 8        # prefill calls queued on the GPU at once (4 per decoder layer)
 
 _in_flight = deque()     # one element of each recent call's output, submitted, oldest first
+
+
+def takes(x, w):
+    """Whether the dense path takes x @ w: PREFILL_MIN_ROWS rows or more, activations in the scales'
+    dtype, and a matmul as precise as quantized_matmul in that dtype (not float32 in TF32)."""
+    rows = x.size // x.shape[-1]
+    return rows >= PREFILL_MIN_ROWS and x.dtype == w.scales.dtype and not (x.dtype == mx.float32 and tf32_matmul())
+
+
+def tf32_matmul():
+    """Whether MLX's float32 matmuls here run in TF32: on a CUDA GPU, unless MLX_ENABLE_TF32 is 0
+    (MLX's variable: an integer, default 1)."""
+    if not (mx.cuda.is_available() and mx.default_device().type == mx.gpu):
+        return False
+    try:
+        return int(os.environ.get("MLX_ENABLE_TF32", "1")) != 0
+    except ValueError:
+        return True
 
 
 def dense(w, after=None):
