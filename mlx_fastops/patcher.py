@@ -128,8 +128,7 @@ class Planner:
         self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
         self.journal = journal
         self.reasons = tuning.reasons() if tuning is not None else {}
-        prefill = tuning.decisions.get("prefill") if tuning is not None else None
-        self.prefill_above = prefill.above if prefill is not None and prefill.kept else None
+        self.prefill_stock = tuner.stock_rows(tuning.decisions.get("prefill")) if tuning is not None else None
 
     def off(self, fusion):
         """Why `fusion` is not to be applied (switched off: by the user, or by the tuner, which
@@ -153,9 +152,11 @@ class Planner:
         fn, used, reason = ops.select(op, self.backend, **info)
         if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill"):
             fn, note = ops.decode_rows_only(fn, op), _notes(note, "prefill off: stock")
-        elif op in ops.PREFILL_OPS and used != "reference" and self.prefill_above is not None:
-            fn = ops.decode_rows_only(fn, op, self.prefill_above)
-            note = _notes(note, f"prefill tuned: stock up to {self.prefill_above} rows")
+        elif op in ops.PREFILL_OPS and used != "reference" and self.prefill_stock is not None:
+            fn = ops.decode_rows_only(fn, op, self.prefill_stock)
+            lo, hi = self.prefill_stock
+            note = _notes(note, f"prefill tuned: stock for {lo + 1}-{hi} rows" if lo else
+                          f"prefill tuned: stock up to {hi} rows")
         self.report.add(where, fusion, "fused", used, _notes(note, reason))
         return fn
 
@@ -298,16 +299,17 @@ class Planner:
 
 def _plan(state, journal):
     """PatchState's plan: every fused block of `state`, then the head, set up from the model's
-    current modules. Returns (report, head, the fusions switched off)."""
+    current modules. Returns (report, head, the fusions switched off, the prefill path's rows below
+    the tuner's stock range: DecodePath.install's prefill_rows)."""
     report = PatchReport(state.recipe["family"], state.backend, tuning=state.tuning)
     p = Planner(state.recipe, state.backend, state.disabled, report, journal, state.tuning)
     for i, block in enumerate(decoder_layers(state.text)):
         if state.owns(block):
             p.block(f"layers.{i}", block)
-    off = p.switched_off()
-    if p.prefill_above is not None:
-        off = off | {"prefill"}   # the tuner bounded the prefill path: the decode path keeps no rows of it
-    return report, p.head(state.text), off
+    off, rows = p.switched_off(), None
+    if p.prefill_stock is not None:   # the tuner bounded the prefill path: the decode path keeps the rows below
+        off, rows = off | {"prefill"}, p.prefill_stock[0] or None
+    return report, p.head(state.text), off, rows
 
 
 class _Head:

@@ -18,7 +18,7 @@ lower quartile of stock's, loses where its lower quartile is above stock's upper
 ties (the quartiles, not min/max: one preempted sample must not decide). A fusion is kept only if
 it wins at some shape and loses at none; a tie is not a win (stock then runs: never slower). The
 reported ratio is stock's median time / the fusion's (> 1: the fusion is faster), the worst shape's.
-`prefill` is decided per chunk size (_judge_prefill). On a backend with a decode path, its parts
+`prefill` is decided per chunk size (_judge_prefill): stock between the sizes it does not win at. On a backend with a decode path, its parts
 (DecodePath.parts) stay on wherever fast_decode is kept.
 
 When (config.TUNE_MODES): "auto" (the default) measures on a GPU backend whose kernel factory is
@@ -111,6 +111,7 @@ class Decision:
     note: str
     shapes: list = field(default_factory=list)
     above: int = None   # prefill only: the backend's path runs for more rows than this, stock up to it
+    upto: int = None    # prefill only, with above: the path runs for up to this many rows too
 
     @property
     def ratio(self):
@@ -130,8 +131,10 @@ def _judge(fusion, shapes):
 
 def _judge_prefill(sized):
     """`prefill` from [(rows, Shape)], a whole prompt chunk per size: kept above the largest size
-    where it does not win, if it wins at the largest size; there, what the trend of GEMMs (more
-    rows, more reuse of each dequantised weight) makes likely above it as well."""
+    where it does not win, if it wins at the largest size (there, what the trend of GEMMs, more
+    rows and more reuse of each dequantised weight, makes likely above it as well); and up to the
+    sizes below the first it does not win at (a GPU's path is several kernels by row count: CUDA's
+    tensor-core qmm up to 64 rows, dense matmuls from 512; a loss of one must not drop the other)."""
     sized = sorted(sized, key=lambda ns: ns[0])
     sizes, shapes = [n for n, _ in sized], [s for _, s in sized]
     won = {n: s.verdict == "win" for n, s in sized}
@@ -141,12 +144,23 @@ def _judge_prefill(sized):
     short = [n for n in sizes if not won[n]]
     if not short:
         return Decision("prefill", True, "faster", shapes)
-    return Decision("prefill", True, f"faster above {max(short)} rows; stock up to them", shapes, max(short))
+    lead = [n for n in sizes if n < short[0]]
+    upto = max(lead) if lead else None
+    where = f"up to {upto} and above {max(short)} rows; stock between" if upto else \
+        f"above {max(short)} rows; stock up to them"
+    return Decision("prefill", True, f"faster {where}", shapes, max(short), upto)
+
+
+def stock_rows(decision):
+    """(lo, hi): the rows lo < rows <= hi that a kept `prefill` decision leaves to stock, or None."""
+    if decision is None or not decision.kept or decision.above is None:
+        return None
+    return (decision.upto or 0, decision.above)
 
 
 def same_plan(a, b):
     """Whether two tunings (or None) patch the same way (a parked fused state can be resumed)."""
-    plan = lambda t: (t.reasons(), t.decisions.get("prefill", Decision("", False, "")).above) if t else ({}, None)
+    plan = lambda t: (t.reasons(), stock_rows(t.decisions.get("prefill"))) if t else ({}, None)
     return plan(a) == plan(b)
 
 
@@ -196,10 +210,11 @@ class Tuning:
                       for s in d["shapes"]]
             if any(len(s.fused_s) < 2 or len(s.stock_s) < 2 or min(*s.fused_s, *s.stock_s) <= 0 for s in shapes):
                 raise ValueError(f"bad timings for {d['fusion']}")
-            above = d.get("above")
-            if above is not None and (type(above) is not int or above < 1):
-                raise ValueError(f"bad prefill rows {above!r}")
-            decisions[d["fusion"]] = Decision(d["fusion"], d["kept"], d["note"], shapes, above)
+            above, upto = d.get("above"), d.get("upto")
+            if any(n is not None and (type(n) is not int or n < 1) for n in (above, upto)) or (
+                    upto is not None and (above is None or upto >= above)):
+                raise ValueError(f"bad prefill rows {above!r}, {upto!r}")
+            decisions[d["fusion"]] = Decision(d["fusion"], d["kept"], d["note"], shapes, above, upto)
         return cls(str(doc["device"]), source, float(doc["seconds"]), decisions)
 
 

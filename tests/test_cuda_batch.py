@@ -169,3 +169,37 @@ TAKES = [  # the step's max_rows, sequences, new tokens each, taken by the compi
 @pytest.mark.parametrize("max_rows,B,L,taken", TAKES)
 def test_calls_the_compiled_step_takes(max_rows, B, L, taken):
     assert cuda_step._Step(None, [], None, max_rows).takes(B, L) is taken
+
+
+# (the tuner's `prefill` stock rows lo < rows <= hi, the compiled step's decode rows, the QKV note)
+TUNED_PREFILL = [
+    ((64, 1024), "decode steps of 9-64 rows: 8 launches a layer", "prefill tuned: stock for 65-1024 rows"),
+    ((32, 1024), "decode steps of 9-32 rows: 8 launches a layer", "prefill tuned: stock for 33-1024 rows"),
+    ((0, 1024), "decode steps of over 8 rows: the composed ops (prefill off or bounded by the tuner)",
+     "prefill tuned: stock up to 1024 rows"),
+]
+
+
+@pytest.mark.parametrize("stock,steps,note", TUNED_PREFILL)
+def test_wide_steps_keep_the_rows_the_tuner_kept(stock, steps, note, cuda_or_emulator, monkeypatch):
+    """Where the tuner leaves some prefill row counts to stock (its 64-row chunk won, 1024 did
+    not: CUDA's qmm and dense paths are separate kernels), the compiled step's wide decode steps
+    (qmm) keep the rows below that range: a cached decision, read by patch(tune="on")."""
+    from mlx_fastops import config, tune_cache, tuner
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    model = synthetic_model("qwen3-tiny-qmm", bits=4, dtype=mx.bfloat16)
+    how = tuner.Tuner("on")
+    key = tune_cache.key("cuda", config.disabled(()), how.shapes(), tuner.shape_class(model))
+    won = tuner.Shape("prefill 2048", [1.0] * 5, [2.0] * 5)
+    prefill = tuner.Decision("prefill", True, "faster", [won], stock[1], stock[0] or None)
+    tune_cache.store(key, tuner.Tuning("test", "measured", 1.0, {"prefill": prefill}).to_dict())
+    report = mlx_fastops.patch(model, tune=how)
+    try:
+        assert report.tuning.source == "cache"
+        (compile_note,) = [e.reason for e in report.entries if e.fusion == "compile"]
+        assert compile_note.endswith(steps), compile_note
+        assert {e.reason for e in report.fused if e.fusion == "qkv"} == {note}
+    finally:
+        mlx_fastops.unpatch(model)

@@ -8,6 +8,7 @@ flags: tests/test_cli.py's table)."""
 
 import json
 import time
+from dataclasses import asdict
 
 import mlx.core as mx
 import pytest
@@ -17,7 +18,7 @@ import mlx_fastops
 from mlx_fastops import kernels, ops, tune_cache
 from mlx_fastops.backends import DecodePath, reference
 from mlx_fastops.cli import main
-from mlx_fastops.tuner import Shape, Tuner, _judge, _judge_prefill, _whole_prefill
+from mlx_fastops.tuner import Shape, Tuner, Tuning, _judge, _judge_prefill, _whole_prefill, stock_rows
 
 SMALL = {"rows": (1, 2), "prefill": (8,), "context": 24, "samples": 5, "quiet": True}
 PER_OP = {"qkv", "gate_up", "qk_norm_rope", "residual_norm", "lm_head", "attention"}
@@ -247,27 +248,37 @@ def test_bench_tune_adds_a_tuned_column(tmp_path):
     assert all("tuned" in row["variants"] for row in result["rows"])
 
 
-@pytest.mark.parametrize("verdicts, kept, above", [
+# (verdict per chunk size, kept, the rows left to stock: lo < rows <= hi)
+PREFILL_VERDICTS = [
     ({512: "win", 2048: "win"}, True, None),
-    ({512: "tie", 2048: "win"}, True, 512),      # stock up to 512 rows, the backend's path above
-    ({512: "loss", 1024: "win", 2048: "win"}, True, 512),
-    ({512: "win", 1024: "tie", 2048: "win"}, True, 1024),
+    ({512: "tie", 2048: "win"}, True, (0, 512)),      # stock up to 512 rows, the backend's path above
+    ({512: "loss", 1024: "win", 2048: "win"}, True, (0, 512)),
+    ({512: "win", 1024: "tie", 2048: "win"}, True, (512, 1024)),   # the path up to 512 and above 1024
     ({512: "win", 2048: "tie"}, False, None),    # no win at the largest chunk: off
-    ({64: "loss", 1024: "win", 2048: "win"}, True, 64),   # a GPU's defaults: CUDA's qmm loses, stock up to 64
-])
-def test_prefill_is_kept_above_the_sizes_it_does_not_win(verdicts, kept, above):
+    ({64: "loss", 1024: "win", 2048: "win"}, True, (0, 64)),   # a GPU's defaults: CUDA's qmm loses, stock up to 64
+    ({64: "win", 1024: "tie", 2048: "win"}, True, (64, 1024)),  # qmm wins, the dense path ties at 1024
+    ({64: "win", 512: "loss", 1024: "win", 2048: "tie"}, False, None),
+    ({16: "win", 64: "win", 512: "tie", 1024: "win", 2048: "win"}, True, (64, 512)),
+    ({16: "win", 64: "tie", 512: "win", 1024: "tie", 2048: "win"}, True, (16, 1024)),   # one stock range
+]
+
+
+@pytest.mark.parametrize("verdicts, kept, stock", PREFILL_VERDICTS)
+def test_prefill_is_kept_outside_the_sizes_it_does_not_win(verdicts, kept, stock):
     times = {"win": ([1.0] * 5, [2.0] * 5), "tie": ([1.0] * 5, [1.0] * 5), "loss": ([2.0] * 5, [1.0] * 5)}
     sized = [(n, Shape(f"prefill {n}", *times[v])) for n, v in verdicts.items()]
     decision = _judge_prefill(sized)
-    assert (decision.kept, decision.above) == (kept, above)
+    assert (decision.kept, stock_rows(decision)) == (kept, stock)
+    again = Tuning.from_dict({"device": "d", "seconds": 1.0, "decisions": [asdict(decision)]}).decisions["prefill"]
+    assert (again.above, again.upto) == (decision.above, decision.upto)
 
 
-@pytest.mark.parametrize("ratio, kept, above", [
+@pytest.mark.parametrize("ratio, kept, stock", [
     ({16: 0.5, 64: 0.5}, True, None),
-    ({16: 1.0, 64: 0.5}, True, 16),       # a tie at the short chunk: stock up to it
+    ({16: 1.0, 64: 0.5}, True, (0, 16)),       # a tie at the short chunk: stock up to it
     ({16: 0.5, 64: 1.0}, False, None),    # no win at mlx-lm's chunk size: off
 ])
-def test_prefill_is_judged_by_whole_prompt_chunks(ratio, kept, above):
+def test_prefill_is_judged_by_whole_prompt_chunks(ratio, kept, stock):
     """`prefill` from whole prompt chunks of the model with the backend's prefill path on
     ("fused": the per-op losers off) and off ("stock": `prefill` off too), each chunk length a
     fresh cache; here a clock double makes the fused chunks take ratio[length] of stock's time."""
@@ -282,19 +293,21 @@ def test_prefill_is_judged_by_whole_prompt_chunks(ratio, kept, above):
     decisions = {"qkv": _judge("qkv", [Shape("s", [1.0] * 5, [2.0] * 5)]),
                  "lm_head": _judge("lm_head", [Shape("s", [2.0] * 5, [1.0] * 5)])}
     out = _whole_prefill(m, m.args.vocab_size, {"compile"}, decisions, tuner, applied.append, lambda: None)
-    assert (out["prefill"].kept, out["prefill"].above) == (kept, above), out["prefill"]
+    assert (out["prefill"].kept, stock_rows(out["prefill"])) == (kept, stock), out["prefill"]
     on, off = {"compile", "lm_head"}, {"compile", "lm_head", "prefill"}
     assert applied == [on, off, off, on]   # rounds alternate which variant goes first
 
 
-@pytest.mark.parametrize("rows, above, runs", [
+@pytest.mark.parametrize("rows, stock, runs", [
     (1, None, "fn"), (8, None, "fn"), (9, None, "ref"), (4096, None, "ref"),
-    (8, 512, "fn"), (512, 512, "ref"), (513, 512, "fn"), (2047, 512, "fn"),
-    (9, 64, "ref"), (64, 64, "ref"), (65, 64, "fn"),
+    (8, (0, 512), "fn"), (9, (0, 512), "ref"), (512, (0, 512), "ref"), (513, (0, 512), "fn"), (2047, (0, 512), "fn"),
+    (9, (0, 64), "ref"), (64, (0, 64), "ref"), (65, (0, 64), "fn"),
+    (8, (64, 1024), "fn"), (9, (64, 1024), "fn"), (64, (64, 1024), "fn"), (65, (64, 1024), "ref"),
+    (1024, (64, 1024), "ref"), (1025, (64, 1024), "fn"), (5, (4, 16), "fn"), (9, (4, 16), "ref"),
 ])
-def test_decode_rows_only_runs_the_backend_op_above_the_tuned_rows(monkeypatch, rows, above, runs):
+def test_decode_rows_only_runs_the_backend_op_outside_the_tuned_rows(monkeypatch, rows, stock, runs):
     monkeypatch.setattr(reference, "qkv_proj", lambda x, w: "ref")
-    call = ops.decode_rows_only(lambda x, w: "fn", "qkv_proj", above)
+    call = ops.decode_rows_only(lambda x, w: "fn", "qkv_proj", stock)
     assert call(mx.zeros((1, rows, 4)), None) == runs
 
 
@@ -310,7 +323,7 @@ class StubDecodePath(DecodePath):
         fast.cache_type = KVCache
         return fast, None
 
-    def install(self, model, fasts, disabled):
+    def install(self, model, fasts, disabled, prefill_rows=None):
         return None, [("compile", "skipped" if "compile" in disabled else "fused", "")]
 
 

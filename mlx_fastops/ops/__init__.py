@@ -72,17 +72,17 @@ DECODE_ROWS = 8   # activation rows (B * L) of the GPU backends' decode kernels
 PREFILL_OPS = ("qkv_proj", "gate_up_silu", "linear", "lm_head")   # their 9+ row paths: the `prefill` switch
 
 
-def decode_rows_only(fn, op, above=None):
-    """`fn` (a GPU backend's op in PREFILL_OPS) for calls of up to DECODE_ROWS rows, and of more
-    than `above` rows where given; the other calls (prefill) run the reference op: what the
-    `prefill` switch leaves when it is off (above=None), or where the tuner found the backend's
-    prefill path no faster (above: the largest prefill size it did not win at)."""
+def decode_rows_only(fn, op, stock=None):
+    """`fn` (a GPU backend's op in PREFILL_OPS) for calls of up to DECODE_ROWS rows, and where
+    `stock` = (lo, hi) is given, of rows outside lo < rows <= hi; the other calls (prefill) run the
+    reference op: what the `prefill` switch leaves when it is off (stock=None), or where the tuner
+    found the backend's prefill path no faster (tuner.stock_rows)."""
     ref = getattr(backend_module("reference"), op)
-    above = float("inf") if above is None else above
+    lo, hi = (DECODE_ROWS, float("inf")) if stock is None else (max(stock[0], DECODE_ROWS), stock[1])
 
     def call(x, w):
         rows = x.size // x.shape[-1]
-        return fn(x, w) if rows <= DECODE_ROWS or rows > above else ref(x, w)
+        return ref(x, w) if lo < rows <= hi else fn(x, w)
     return call
 
 

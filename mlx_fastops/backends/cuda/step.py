@@ -29,6 +29,7 @@ from .. import DecodePath
 from .block import FastBlock
 from .cache import StaticBatchKVCache, StaticKVCache
 from .layer import layers_launch
+from .qmm import QMM_MAX_ROWS
 from .source import MAX_ROWS, offset_array
 
 # The fast path fuses all of these; switching any of them off switches it off (qkv / gate_up off
@@ -122,8 +123,9 @@ def _inner(model):
 
 def _compile_step(model, fasts, wide):
     """The class swap of the decoder stack for one whose decode step is one mx.compile'd
-    function: ((obj, stock class, fast class, _Step), note), or (None, reason). wide: whether the
-    step takes decode steps of more rows through FastBlock.wide, where every block's does."""
+    function: ((obj, stock class, fast class, _Step), note), or (None, reason). wide: up to how
+    many rows the step takes decode steps of more rows through FastBlock.wide, where every block's
+    does (0: none)."""
     inner = _inner(model)
     if inner is None or "embed_tokens" not in inner or "norm" not in inner:
         return None, "no inner model with embed_tokens/norm"
@@ -135,7 +137,7 @@ def _compile_step(model, fasts, wide):
     if getattr(embed, "scales", getattr(embed, "weight", None)).dtype != dtype:
         return None, "embedding dtype differs from the layers'"
     runs = launch_runs(fasts)
-    max_rows = min(fb.wide_rows for fb in fasts) if wide else MAX_ROWS
+    max_rows = min(wide, *(fb.wide_rows for fb in fasts)) if wide > MAX_ROWS else MAX_ROWS
     first_wide = max(fb.wide_from for fb in fasts) if max_rows > MAX_ROWS else MAX_ROWS + 1
 
     def step(tokens, off, *bufs):
@@ -162,7 +164,8 @@ def _compile_step(model, fasts, wide):
         cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,),
                                           {"__call__": _compiled_call, "_fastops_base": base})
     launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
-    why = "prefill off or bounded by the tuner" if not wide else "a weight qmm does not take"
+    why = ("a weight qmm does not take" if min(fb.wide_rows for fb in fasts) <= MAX_ROWS else
+           "prefill off or bounded by the tuner")
     rows = (f"; decode steps of {first_wide}-{max_rows} rows: 8 launches a layer" if max_rows > MAX_ROWS else
             f"; decode steps of over {MAX_ROWS} rows: the composed ops ({why})")
     return ((inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch, max_rows)),
@@ -204,7 +207,7 @@ class CudaDecodePath(DecodePath):
         reason = FastBlock.unsupported(fused_block)
         return (None, reason) if reason else (FastBlock(fused_block), None)
 
-    def install(self, model, fasts, disabled):
+    def install(self, model, fasts, disabled, prefill_rows=None):
         if hasattr(model, "make_cache") and any(type(c) is not KVCache for c in model.make_cache()):
             return None, [("fast_decode", "skipped", "the model's own caches are not all KVCache")]
         make_cache = partial(_static_caches, len(fasts))
@@ -213,7 +216,8 @@ class CudaDecodePath(DecodePath):
         elif any(f is None for f in fasts):
             step, row = None, ("compile", "skipped", "not every block has the fast path")
         else:
-            step, note = _compile_step(model, fasts, "prefill" not in disabled)
+            wide = QMM_MAX_ROWS if "prefill" not in disabled else prefill_rows or 0
+            step, note = _compile_step(model, fasts, wide)
             row = ("compile", "fused" if step else "skipped", note)
         installed = Installed(model, make_cache, step)
         installed.restore()
