@@ -10,7 +10,7 @@
 #   ab NAMES...  the bench and the phase tables, each beside a copy patched without each NAMES
 #   tune         mlx-fastops tune on Qwen3-0.6B and Qwen3-4B (the decisions, the first tuning's wall
 #                time) -> results/cuda_tune_MODEL.*
-#   tune_bench   bench --tune on both, -p 512,2048 -g 128 -n 5 (stock, all fusions, tuned; the decisions
+#   tune_bench   bench --tune on both, -p 512,2048 -g 128 -n 9 (stock, all fusions, tuned; the decisions
 #                cached by `tune` in this visit, else measured again) -> results/cuda_tune.*
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
 #   batch        batched decoding through mlx-lm's BatchGenerator, 4B, 8B and 0.6B, B = 1-32 -> results/cuda_batch.*
@@ -89,7 +89,7 @@ case "$mode" in
     done
     cp "$R"/cuda_tune_* "$OUT/" ;;
   tune_bench)
-    timeout 560 python3 -m mlx_fastops bench --model qwen3-0.6b,qwen3-4b -p 512,2048 -g 128 -n 5 --tune \
+    timeout 560 python3 -m mlx_fastops bench --model qwen3-0.6b,qwen3-4b -p 512,2048 -g 128 -n 9 --tune \
       --json "$R/cuda_tune.json" --markdown "$R/cuda_tune.md" > "$LOGS/bench_tune.log" 2>&1
     grep -E "^\| (qwen|llama)" "$R/cuda_tune.md" | cut -c1-200
     cp "$R"/cuda_tune.* "$OUT/" ;;
