@@ -299,17 +299,18 @@ class Planner:
 
 def _plan(state, journal):
     """PatchState's plan: every fused block of `state`, then the head, set up from the model's
-    current modules. Returns (report, head, the fusions switched off, the prefill path's rows below
-    the tuner's stock range: DecodePath.install's prefill_rows)."""
+    current modules. Returns (report, head, the fusions switched off)."""
     report = PatchReport(state.recipe["family"], state.backend, tuning=state.tuning)
     p = Planner(state.recipe, state.backend, state.disabled, report, journal, state.tuning)
     for i, block in enumerate(decoder_layers(state.text)):
         if state.owns(block):
             p.block(f"layers.{i}", block)
-    off, rows = p.switched_off(), None
-    if p.prefill_stock is not None:   # the tuner bounded the prefill path: the decode path keeps the rows below
-        off, rows = off | {"prefill"}, p.prefill_stock[0] or None
-    return report, p.head(state.text), off, rows
+    off = p.switched_off()
+    if "prefill" in p.reasons:
+        # The tuner judged `prefill` by prompt chunks; the decode path's steps of more rows (CUDA's
+        # wide steps, qmm) replace the composed ops there, not stock's: its verdict leaves them on.
+        off = off - {"prefill"}
+    return report, p.head(state.text), off
 
 
 class _Head:

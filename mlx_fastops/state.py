@@ -90,7 +90,7 @@ def _write_back(fused):
 
 
 class PatchState:
-    """`plan(state, journal) -> (report, head, switched off, prefill rows)` (the patcher's) sets every fused
+    """`plan(state, journal) -> (report, head, switched off)` (the patcher's) sets every fused
     module up from its current children; the rest is here: wrapping, watching, the backend's
     decode path (DecodePath.install), rebuilding and removal."""
 
@@ -134,11 +134,11 @@ class PatchState:
         return out
 
     def build(self, journal):
-        report, head, switched_off, prefill_rows = self.plan(self, journal)
+        report, head, switched_off = self.plan(self, journal)
         journal.attr(self, "report", report)
         journal.attr(self, "head", head)
         self._watch_modules(journal)
-        journal.attr(self, "decode", self._install(journal, switched_off, prefill_rows, report))
+        journal.attr(self, "decode", self._install(journal, switched_off, report))
         mx.eval(self.text.parameters())   # the stacked weights' views
         journal.attr(self, "snapshot", self._objects())
 
@@ -156,13 +156,13 @@ class PatchState:
                 journal.attr(m, "_fastops_watch", self.watch)
         journal.attr(self, "watched", watched)
 
-    def _install(self, journal, switched_off, prefill_rows, report):
+    def _install(self, journal, switched_off, report):
         """The backend's whole-model decode path (DecodePath.install), once its blocks are fused."""
         path = ops.backend_module(self.backend).DECODE_PATH
         fasts = [b.fast_fn if self.owns(b) else None for b in decoder_layers(self.text)]
         if path is None or not any(fasts):
             return None
-        installed, rows = path.install(self.model, fasts, switched_off, prefill_rows)
+        installed, rows = path.install(self.model, fasts, switched_off)
         if installed is not None:
             journal.undo(installed.remove)
         for fusion, status, note in rows:

@@ -300,7 +300,7 @@ class _BrokenPath:
     def block(self, fused_block, disabled):
         return self, None
 
-    def install(self, model, fasts, disabled, prefill_rows=None):
+    def install(self, model, fasts, disabled):
         raise RuntimeError("injected failure")
 
 

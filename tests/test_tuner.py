@@ -323,7 +323,7 @@ class StubDecodePath(DecodePath):
         fast.cache_type = KVCache
         return fast, None
 
-    def install(self, model, fasts, disabled, prefill_rows=None):
+    def install(self, model, fasts, disabled):
         return None, [("compile", "skipped" if "compile" in disabled else "fused", "")]
 
 

@@ -14,16 +14,14 @@ class DecodePath:
         Per modules.FusedBlock, at patch time. fast(x, cache) returns the block's output, or None
         where it does not take this call (the FusedBlock then composes its ops); it is only
         called for caches of type fast.cache_type.
-    install(model, fasts, disabled, prefill_rows=None) -> (installed or None, [(fusion, status, note)])
+    install(model, fasts, disabled) -> (installed or None, [(fusion, status, note)])
         Once, after every block was offered (fasts: block() results, None where refused): what
         the path needs on the model (its cache class through model.make_cache, a compiled
         step). The rows go into the patch report (where "model"). installed.remove() undoes the
         changes on unpatch, installed.restore() redoes them when the parked fused modules are
         swapped back in.
     `disabled` is the set of fusion names switched off for this patch (config.FUSIONS); for install
-    it also holds `prefill` where the tuner kept stock for some of the prefill path's row counts,
-    and prefill_rows then says up to how many rows (over ops.DECODE_ROWS) the path still runs, or
-    is None where it runs for none of the rows up to that stock range.
+    it also holds `prefill` where the tuner kept stock for some of the prefill path's row counts.
     parts: the fusions the path fuses, each of which switched off refuses every block (the tuner
     keeps them on wherever it keeps fast_decode).
     """
@@ -33,5 +31,5 @@ class DecodePath:
     def block(self, fused_block, disabled):
         raise NotImplementedError
 
-    def install(self, model, fasts, disabled, prefill_rows=None):
+    def install(self, model, fasts, disabled):
         raise NotImplementedError

@@ -6,7 +6,7 @@ for one whose decode call over those caches (`_Step.takes`: B * L <= MAX_ROWS to
 step of up to QMM_MAX_ROWS rows) is one compiled function: embedding, the layers, final norm. Up
 to MAX_ROWS tokens the layers are the one-launch layers (consecutive small layers sharing one:
 launch_runs); decode steps from FastBlock.wide_from rows run FastBlock.wide's eight launches a
-layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off or bounded by the tuner.
+layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
 mlx-lm's BatchGenerator merges those caches into StaticBatchKVCaches (left-padded rows, one write
 index), which the same step takes (the kernels given each row's left padding); anything else
 takes the composed fused ops.
@@ -29,7 +29,6 @@ from .. import DecodePath
 from .block import FastBlock
 from .cache import StaticBatchKVCache, StaticKVCache
 from .layer import layers_launch
-from .qmm import QMM_MAX_ROWS
 from .source import MAX_ROWS, offset_array
 
 # The fast path fuses all of these; switching any of them off switches it off (qkv / gate_up off
@@ -123,9 +122,10 @@ def _inner(model):
 
 def _compile_step(model, fasts, wide):
     """The class swap of the decoder stack for one whose decode step is one mx.compile'd
-    function: ((obj, stock class, fast class, _Step), note), or (None, reason). wide: up to how
-    many rows the step takes decode steps of more rows through FastBlock.wide, where every block's
-    does (0: none)."""
+    function: ((obj, stock class, fast class, _Step), note), or (None, reason). wide: whether the
+    step takes decode steps of more rows through FastBlock.wide, where every block's does (the
+    `prefill` switch, qmm's, on: a bound the tuner put on it is about prompt chunks, and these
+    steps replace the composed ops, not stock's)."""
     inner = _inner(model)
     if inner is None or "embed_tokens" not in inner or "norm" not in inner:
         return None, "no inner model with embed_tokens/norm"
@@ -137,7 +137,7 @@ def _compile_step(model, fasts, wide):
     if getattr(embed, "scales", getattr(embed, "weight", None)).dtype != dtype:
         return None, "embedding dtype differs from the layers'"
     runs = launch_runs(fasts)
-    max_rows = min(wide, *(fb.wide_rows for fb in fasts)) if wide > MAX_ROWS else MAX_ROWS
+    max_rows = min(fb.wide_rows for fb in fasts) if wide else MAX_ROWS
     first_wide = max(fb.wide_from for fb in fasts) if max_rows > MAX_ROWS else MAX_ROWS + 1
 
     def step(tokens, off, *bufs):
@@ -164,8 +164,7 @@ def _compile_step(model, fasts, wide):
         cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,),
                                           {"__call__": _compiled_call, "_fastops_base": base})
     launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
-    why = ("a weight qmm does not take" if min(fb.wide_rows for fb in fasts) <= MAX_ROWS else
-           "prefill off or bounded by the tuner")
+    why = "prefill off" if not wide else "a weight qmm does not take"
     rows = (f"; decode steps of {first_wide}-{max_rows} rows: 8 launches a layer" if max_rows > MAX_ROWS else
             f"; decode steps of over {MAX_ROWS} rows: the composed ops ({why})")
     return ((inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch, max_rows)),
@@ -207,7 +206,7 @@ class CudaDecodePath(DecodePath):
         reason = FastBlock.unsupported(fused_block)
         return (None, reason) if reason else (FastBlock(fused_block), None)
 
-    def install(self, model, fasts, disabled, prefill_rows=None):
+    def install(self, model, fasts, disabled):
         if hasattr(model, "make_cache") and any(type(c) is not KVCache for c in model.make_cache()):
             return None, [("fast_decode", "skipped", "the model's own caches are not all KVCache")]
         make_cache = partial(_static_caches, len(fasts))
@@ -216,8 +215,7 @@ class CudaDecodePath(DecodePath):
         elif any(f is None for f in fasts):
             step, row = None, ("compile", "skipped", "not every block has the fast path")
         else:
-            wide = QMM_MAX_ROWS if "prefill" not in disabled else prefill_rows or 0
-            step, note = _compile_step(model, fasts, wide)
+            step, note = _compile_step(model, fasts, "prefill" not in disabled)
             row = ("compile", "fused" if step else "skipped", note)
         installed = Installed(model, make_cache, step)
         installed.restore()
