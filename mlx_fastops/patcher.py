@@ -150,13 +150,17 @@ class Planner:
             self.skip(where, fusion, reason)
             return None
         fn, used, reason = ops.select(op, self.backend, **info)
-        if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill"):
+        # The tuner's verdict on `prefill` comes from prompt chunks, which never evaluate the head
+        # (mlx-lm's prefill evaluates the cache): lm_head's rows (batched decode's logits) follow the
+        # user's switch only.
+        by_tuner = op == "lm_head" and "prefill" in self.reasons
+        stock = None if op == "lm_head" else self.prefill_stock
+        if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill") and not by_tuner:
             fn, note = ops.decode_rows_only(fn, op), _notes(note, "prefill off: stock")
-        elif op in ops.PREFILL_OPS and used != "reference" and self.prefill_stock is not None:
+        elif op in ops.PREFILL_OPS and used != "reference" and stock is not None:
             fn = ops.decode_rows_only(fn, op, self.prefill_stock)
-            lo, hi = self.prefill_stock
-            note = _notes(note, f"prefill tuned: stock for {lo + 1}-{hi} rows" if lo else
-                          f"prefill tuned: stock up to {hi} rows")
+            lo, hi = max(self.prefill_stock[0], ops.DECODE_ROWS), self.prefill_stock[1]
+            note = _notes(note, f"prefill tuned: stock for {lo + 1}-{hi} rows")
         self.report.add(where, fusion, "fused", used, _notes(note, reason))
         return fn
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-SCHEMA = 1
+SCHEMA = 2   # 2: a prefill decision may carry `upto` (entries of 1 would keep too many rows stock)
 ENV = "MLX_FASTOPS_TUNE_CACHE"
 
 

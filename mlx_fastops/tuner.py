@@ -18,8 +18,8 @@ lower quartile of stock's, loses where its lower quartile is above stock's upper
 ties (the quartiles, not min/max: one preempted sample must not decide). A fusion is kept only if
 it wins at some shape and loses at none; a tie is not a win (stock then runs: never slower). The
 reported ratio is stock's median time / the fusion's (> 1: the fusion is faster), the worst shape's.
-`prefill` is decided per chunk size (_judge_prefill): stock between the sizes it does not win at. On a backend with a decode path, its parts
-(DecodePath.parts) stay on wherever fast_decode is kept.
+`prefill` is decided per chunk size (_judge_prefill): stock between the sizes it does not win at.
+On a backend with a decode path, its parts (DecodePath.parts) stay on wherever fast_decode is kept.
 
 When (config.TUNE_MODES): "auto" (the default) measures on a GPU backend whose kernel factory is
 MLX's own (never on emulated kernels: kernels.factory_replaced) and nowhere else (on the
@@ -110,8 +110,8 @@ class Decision:
     kept: bool
     note: str
     shapes: list = field(default_factory=list)
-    above: int = None   # prefill only: the backend's path runs for more rows than this, stock up to it
-    upto: int = None    # prefill only, with above: the path runs for up to this many rows too
+    above: int = None   # prefill only: the backend's path runs for more rows than this (stock_rows)
+    upto: int = None    # prefill only, with above: and for up to this many rows
 
     @property
     def ratio(self):

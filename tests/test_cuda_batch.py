@@ -172,22 +172,25 @@ def test_calls_the_compiled_step_takes(max_rows, B, L, taken):
 
 
 WIDE = "decode steps of 9-64 rows: 8 launches a layer"
-# (the tuner's `prefill` decision: kept, stock rows lo < rows <= hi; the user's disable; the compiled
-# step's decode rows; the QKV note)
+# (the tuner's `prefill` decision: kept, above, upto; the user's disable; the compiled step's decode
+# rows; the QKV note; the head's note)
 TUNED_PREFILL = [
-    (True, (64, 1024), (), WIDE, "prefill tuned: stock for 65-1024 rows"),
-    (True, (0, 1024), (), WIDE, "prefill tuned: stock up to 1024 rows"),
-    (False, None, (), WIDE, "prefill off: stock"),
-    (True, None, ("prefill",), "decode steps of over 8 rows: the composed ops (prefill off)", "prefill off: stock"),
+    (True, 1024, 64, (), WIDE, "prefill tuned: stock for 65-1024 rows", ""),
+    (True, 1024, None, (), WIDE, "prefill tuned: stock for 9-1024 rows", ""),
+    (False, None, None, (), WIDE, "prefill off: stock", ""),
+    (True, None, None, ("prefill",), "decode steps of over 8 rows: the composed ops (prefill off)",
+     "prefill off: stock", "prefill off: stock"),
 ]
 
 
-@pytest.mark.parametrize("kept,stock,disable,steps,note", TUNED_PREFILL)
-def test_tuned_prefill_leaves_the_wide_steps_on(kept, stock, disable, steps, note, cuda_or_emulator, monkeypatch):
-    """The tuner judges `prefill` by prompt chunks (its prompt rows go to stock where it does not
-    win); the compiled step's wide decode steps (qmm) replace the composed ops, not stock's, and
-    stay on (H200, Qwen3-0.6B, B = 16 / 32: 3291 / 5566 tok/s with them, 1427 / 2337 without, stock
-    1293 / 2392); the user's switch turns them off. A cached decision, read by patch(tune="on")."""
+@pytest.mark.parametrize("kept,above,upto,disable,steps,note,head_note", TUNED_PREFILL)
+def test_tuned_prefill_leaves_the_decode_rows_on(kept, above, upto, disable, steps, note, head_note,
+                                                 cuda_or_emulator, monkeypatch):
+    """The tuner judges `prefill` by prompt chunks (their QKV, gate/up, o_proj and down rows go to
+    stock where it does not win); the compiled step's wide decode steps (qmm) replace the composed
+    ops, not stock's, and stay on (H200, Qwen3-0.6B, B = 16 / 32: 3291 / 5566 tok/s with them,
+    1427 / 2337 without, stock 1293 / 2392), and so do lm_head's rows (prompt chunks never evaluate
+    it); the user's switch turns both off. A cached decision, read by patch(tune="on")."""
     from mlx_fastops import config, tune_cache, tuner
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
@@ -196,9 +199,7 @@ def test_tuned_prefill_leaves_the_wide_steps_on(kept, stock, disable, steps, not
     how = tuner.Tuner("on")
     key = tune_cache.key("cuda", config.disabled(disable), how.shapes(), tuner.shape_class(model))
     timed = tuner.Shape("prefill 2048", [1.0] * 5, [2.0] * 5)
-    prefill = tuner.Decision("prefill", kept, "test", [timed], *(stock[::-1] if stock else ()))
-    if prefill.upto == 0:
-        prefill.upto = None
+    prefill = tuner.Decision("prefill", kept, "test", [timed], above=above, upto=upto)
     tune_cache.store(key, tuner.Tuning("test", "measured", 1.0, {"prefill": prefill}).to_dict())
     report = mlx_fastops.patch(model, disable=disable, tune=how)
     try:
@@ -206,5 +207,6 @@ def test_tuned_prefill_leaves_the_wide_steps_on(kept, stock, disable, steps, not
         (compile_note,) = [e.reason for e in report.entries if e.fusion == "compile"]
         assert compile_note.endswith(steps), compile_note
         assert {e.reason for e in report.fused if e.fusion == "qkv"} == {note}
+        assert {e.reason for e in report.fused if e.fusion == "lm_head"} == {head_note}
     finally:
         mlx_fastops.unpatch(model)

@@ -18,7 +18,8 @@ import mlx_fastops
 from mlx_fastops import kernels, ops, tune_cache
 from mlx_fastops.backends import DecodePath, reference
 from mlx_fastops.cli import main
-from mlx_fastops.tuner import Shape, Tuner, Tuning, _judge, _judge_prefill, _whole_prefill, stock_rows
+from mlx_fastops.tuner import (Decision, Shape, Tuner, Tuning, _judge, _judge_prefill, _whole_prefill, same_plan,
+                                stock_rows)
 
 SMALL = {"rows": (1, 2), "prefill": (8,), "context": 24, "samples": 5, "quiet": True}
 PER_OP = {"qkv", "gate_up", "qk_norm_rope", "residual_norm", "lm_head", "attention"}
@@ -271,6 +272,32 @@ def test_prefill_is_kept_outside_the_sizes_it_does_not_win(verdicts, kept, stock
     assert (decision.kept, stock_rows(decision)) == (kept, stock)
     again = Tuning.from_dict({"device": "d", "seconds": 1.0, "decisions": [asdict(decision)]}).decisions["prefill"]
     assert (again.above, again.upto) == (decision.above, decision.upto)
+
+
+# (above, upto) that a cached prefill decision may not hold
+BAD_ROWS = [(None, 64), (64, 64), (64, 128), (0, None), (512, 0), ("512", None), (512, True)]
+
+
+@pytest.mark.parametrize("above,upto", BAD_ROWS)
+def test_a_cached_prefill_decision_with_bad_rows_does_not_parse(above, upto):
+    d = {"fusion": "prefill", "kept": True, "note": "", "shapes": [], "above": above, "upto": upto}
+    with pytest.raises(ValueError):
+        Tuning.from_dict({"device": "d", "seconds": 1.0, "decisions": [d]})
+
+
+def _tuned(kept=True, **rows):
+    return Tuning("d", "measured", 1.0, {"prefill": Decision("prefill", kept, "t", [], **rows)})
+
+
+# (a parked state's tuning, a new patch's, whether it may be resumed: the same plan)
+SAME_PLAN = [(None, None, True), (None, _tuned(), True), (_tuned(above=1024), _tuned(above=1024), True),
+             (_tuned(above=1024), _tuned(above=1024, upto=64), False), (None, _tuned(above=1024), False),
+             (None, _tuned(kept=False), False), (_tuned(above=1024, upto=64), _tuned(above=1024, upto=64), True)]
+
+
+@pytest.mark.parametrize("parked,new,same", SAME_PLAN)
+def test_same_plan(parked, new, same):
+    assert same_plan(parked, new) is same
 
 
 @pytest.mark.parametrize("ratio, kept, stock", [

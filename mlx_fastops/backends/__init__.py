@@ -21,7 +21,8 @@ class DecodePath:
         changes on unpatch, installed.restore() redoes them when the parked fused modules are
         swapped back in.
     `disabled` is the set of fusion names switched off for this patch (config.FUSIONS); for install
-    it also holds `prefill` where the tuner kept stock for some of the prefill path's row counts.
+    `prefill` only where the user switched it off (the tuner judges it by prompt chunks: its verdict
+    does not reach the decode path).
     parts: the fusions the path fuses, each of which switched off refuses every block (the tuner
     keeps them on wherever it keeps fast_decode).
     """

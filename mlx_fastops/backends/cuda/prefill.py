@@ -23,8 +23,11 @@ stay on quantized_matmul (measured on the H200: a float32 model's logits 1e-3 of
 
 import os
 from collections import deque
+from functools import cache
 
 import mlx.core as mx
+
+from .source import rows
 
 PREFILL_MIN_ROWS = 512   # fewer rows stay on quantized_matmul
 IN_FLIGHT_MAX = 8        # prefill calls queued on the GPU at once (4 per decoder layer)
@@ -35,15 +38,18 @@ _in_flight = deque()     # one element of each recent call's output, submitted, 
 def takes(x, w):
     """Whether the dense path takes x @ w: PREFILL_MIN_ROWS rows or more, activations in the scales'
     dtype, and a matmul as precise as quantized_matmul in that dtype (not float32 in TF32)."""
-    rows = x.size // x.shape[-1]
-    return rows >= PREFILL_MIN_ROWS and x.dtype == w.scales.dtype and not (x.dtype == mx.float32 and tf32_matmul())
+    return (rows(x) >= PREFILL_MIN_ROWS and x.dtype == w.scales.dtype
+            and not (x.dtype == mx.float32 and tf32_matmul()))
 
 
 def tf32_matmul():
-    """Whether MLX's float32 matmuls here run in TF32: on a CUDA GPU, unless MLX_ENABLE_TF32 is 0
-    (MLX's variable: an integer, default 1)."""
-    if not (mx.cuda.is_available() and mx.default_device().type == mx.gpu):
-        return False
+    """Whether MLX's float32 matmuls here run in TF32: on a CUDA GPU, unless MLX_ENABLE_TF32 is 0."""
+    return mx.cuda.is_available() and mx.default_device().type == mx.gpu and _tf32_variable()
+
+
+@cache
+def _tf32_variable():
+    # MLX's variable: an integer, default 1, read once (as MLX does: a later change does not reach it)
     try:
         return int(os.environ.get("MLX_ENABLE_TF32", "1")) != 0
     except ValueError:
