@@ -12,6 +12,8 @@
 #                time) -> results/cuda_tune_MODEL.*
 #   tune_bench   bench --tune on both, -p 512,2048 -g 128 -n 9 (stock, all fusions, tuned; the decisions
 #                cached by `tune` in this visit, else measured again) -> results/cuda_tune.*
+#   tune_batch   batched decoding of Qwen3-0.6B and 4B, B = 1, 16, 32: stock, all fusions and a tuned copy (the tuner's
+#                verdicts must not cost batched decode its speed) -> results/cuda_batch_tuned.*
 #   kernels      isolated kernels against stock, GB/s -> results/cuda_kernels.*
 #   batch        batched decoding through mlx-lm's BatchGenerator, 4B, 8B and 0.6B, B = 1-32 -> results/cuda_batch.*
 #   qmm          the tensor-core qmm: its GPU tests, then its GEMMs at 9-128 rows -> results/cuda_prefill.*
@@ -97,6 +99,10 @@ case "$mode" in
     timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-4b,qwen3-8b,qwen3-0.6b --batches 1,4,8,16,32 -p 256 -g 32 -n 2 \
       --out "$R/cuda_batch" > "$OUT/batch.log" 2>&1
     grep -E "^\| (qwen|llama)" "$R/cuda_batch.md" | cut -c1-170; cp "$R"/cuda_batch.* "$OUT/" ;;
+  tune_batch)
+    timeout 560 python3 benchmarks/cuda_batch.py --models qwen3-0.6b,qwen3-4b --batches 1,16,32 -p 256 -g 32 -n 3 --tune \
+      --out "$R/cuda_batch_tuned" > "$OUT/batch_tuned.log" 2>&1
+    grep -E "^\| (qwen|llama)|^\| compile" "$R/cuda_batch_tuned.md" | cut -c1-200; cp "$R"/cuda_batch_tuned.* "$OUT/" ;;
   qmm)
     timeout 240 env PYTHONPATH="$TESTPATH" python3 -m pytest -m cuda -q -rfs $XDIST tests/test_cuda_qmm.py tests/test_ops.py -k "qmm or qkv or gate_up or linear" \
       -p no:cacheprovider > "$OUT/test_qmm.log" 2>&1
