@@ -157,10 +157,9 @@ class Planner:
         stock = None if op == "lm_head" else self.prefill_stock
         if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill") and not by_tuner:
             fn, note = ops.decode_rows_only(fn, op), _notes(note, "prefill off: stock")
-        elif op in ops.PREFILL_OPS and used != "reference" and stock is not None:
-            fn = ops.decode_rows_only(fn, op, self.prefill_stock)
-            lo, hi = max(self.prefill_stock[0], ops.DECODE_ROWS), self.prefill_stock[1]
-            note = _notes(note, f"prefill tuned: stock for {lo + 1}-{hi} rows")
+        elif op in ops.PREFILL_OPS and used != "reference" and stock is not None and stock[1] > ops.DECODE_ROWS:
+            fn = ops.decode_rows_only(fn, op, stock)
+            note = _notes(note, f"prefill tuned: stock for {max(stock[0], ops.DECODE_ROWS) + 1}-{stock[1]} rows")
         self.report.add(where, fusion, "fused", used, _notes(note, reason))
         return fn
 
