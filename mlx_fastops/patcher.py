@@ -128,7 +128,10 @@ class Planner:
         self.recipe, self.backend, self.disabled, self.report = recipe, backend, disabled, report
         self.journal = journal
         self.reasons = tuning.reasons() if tuning is not None else {}
-        self.prefill_stock = tuner.stock_rows(tuning.decisions.get("prefill")) if tuning is not None else None
+        stock = tuner.stock_rows(tuning.decisions.get("prefill")) if tuning is not None else None
+        # (lo, hi): the prompt rows lo < rows <= hi the tuner leaves to stock; none of the decode rows
+        self.prefill_stock = ((max(stock[0], ops.DECODE_ROWS), stock[1]) if stock and stock[1] > ops.DECODE_ROWS
+                              else None)
 
     def off(self, fusion):
         """Why `fusion` is not to be applied (switched off: by the user, or by the tuner, which
@@ -157,9 +160,9 @@ class Planner:
         stock = None if op == "lm_head" else self.prefill_stock
         if op in ops.PREFILL_OPS and used != "reference" and self.off("prefill") and not by_tuner:
             fn, note = ops.decode_rows_only(fn, op), _notes(note, "prefill off: stock")
-        elif op in ops.PREFILL_OPS and used != "reference" and stock is not None and stock[1] > ops.DECODE_ROWS:
+        elif op in ops.PREFILL_OPS and used != "reference" and stock is not None:
             fn = ops.decode_rows_only(fn, op, stock)
-            note = _notes(note, f"prefill tuned: stock for {max(stock[0], ops.DECODE_ROWS) + 1}-{stock[1]} rows")
+            note = _notes(note, f"prefill tuned: stock for {stock[0] + 1}-{stock[1]} rows")
         self.report.add(where, fusion, "fused", used, _notes(note, reason))
         return fn
 
