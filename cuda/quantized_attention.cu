@@ -2,23 +2,28 @@
 // packed and dequantised in registers), split over the sequence.
 //
 //   o[b, l, h, :] = sum_{j < n} softmax_j(scale * q[b,l,h,:] . K[b,h/G,j,:]) V[b,h/G,j,:]
-//   K[.., j, d] = kw_q[.., j, d] * ks[.., j, d / GS] + kb[.., j, d / GS]   (V likewise)
-//   n = S - L + l + 1 with CAUSAL (query l sits at position S - L + l), else S
+//   K[.., j, d] = k_w_q[.., j, d] * k_s[.., j, d / GS] + k_b[.., j, d / GS]   (V likewise)
+//   n = off[0] + l + 1 with AT_OFFSET (a static cache of more slots than positions: the one-launch
+//   layer's); else n = S - L + l + 1 with CAUSAL (query l sits at position S - L + l), else S
 //
-// q, o: [B, L, H, D] contiguous. kw, vw: packed uint32 [B, HKV, S, D * BITS / 32]; ks, kb, vs, vb:
-// [B, HKV, S, D / GS] in T; all six read through their strides (the cache's slices of its buffers;
-// last axis contiguous), S from kw's shape.
-// Grid: x = split, y = kv head, z = b * L + l; NW warps per block. As in attention.cu: CH =
-// max(ceil(n / nsplit), MINCH) positions a split; LPP = D / 8 lanes hold one row (8 values each,
-// one quantisation group: GS is a multiple of 8), PPW = 32 / LPP rows per warp step, SLOTS
-// online-softmax states per block (fp32, exp2, q pre-scaled by scale * log2 e), merged in shared
-// memory; with more than one split the last block to finish (ticket on cnt[b*L*HKV + kv head],
-// reset to 0 by that block) merges the splits' partials pm (max, sum) and po (unnormalised output):
-// split_merge.cuh, attention.cu's, with GB = G (a block takes every query head of its kv head).
+// q, o: [B, L, H, D] contiguous. k_w, v_w: packed uint32 [B, HKV, S, D * BITS / 32]; k_s, k_b, v_s,
+// v_b: [B, HKV, S, D / GS] in T; all six read through their strides (the cache's slices of its
+// buffers; last axis contiguous), S from k_w's shape.
+// Grid: x = split, y = kv head * (G / GB) + head subgroup, z = b * L + l; NW warps per block (the
+// block's coordinates BLOCK_X/Y/Z, GRID_X: blockIdx/gridDim in a launch of its own, set by the
+// caller when it is a phase of the one-launch layer, which also sets WAIT_INPUTS: the wait for the
+// earlier phases, after sending the chunk's cached rows to L2). As in attention.cu: CH =
+// max(ceil(n / nsplit), MINCH) positions a split; a block takes GB of the G query heads of its kv
+// head; LPP = D / 8 lanes hold one row (8 values each, one quantisation group: GS is a multiple of
+// 8), PPW = 32 / LPP rows per warp step, SLOTS online-softmax states per block (fp32, exp2, q
+// pre-scaled by scale * log2 e), merged in shared memory; with more than one split the last block to
+// finish (ticket on cnt[(b*L*HKV + kv head) * G/GB + subgroup], reset to 0 by that block) merges the
+// splits' partials pm (max, sum) and po (unnormalised output): split_merge.cuh, attention.cu's.
 // A lane's share of a score is sk * (q . k_q) + kb * sum(q): its 8 q values' sum is taken once.
 //
-// Defines: T, L, H, HKV, D, G, GB (= G), NW, MINCH, SCALE_LOG2, BITS (4 or 8), GS, CAUSAL.
-// Inputs: q, kw, ks, kb, vw, vs, vb, cnt (>= B*L*HKV).
+// Defines: T, L, H, HKV, D, G, GB, NW, MINCH, SCALE_LOG2, BITS (4 or 8), GS, CAUSAL, [AT_OFFSET],
+// BLOCK_X/Y/Z, GRID_X, [WAIT_INPUTS].
+// Inputs: q, k_w, k_s, k_b, v_w, v_s, v_b, [off (AT_OFFSET)], cnt (>= B*L*HKV*G/GB).
 // Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
   constexpr int LPP = D / 8;
@@ -29,19 +34,21 @@
   constexpr unsigned QMASK = (1u << BITS) - 1u;
   static_assert(GS % 8 == 0 && D % GS == 0, "a lane's 8 values lie in one quantisation group");
 
-  const int split = blockIdx.x;
-  const int nsplit = gridDim.x;
-  const int hk = blockIdx.y;
-  static_assert(GB == G, "a block takes every query head of its kv head");
-  constexpr int NSUB = 1;
-  const int g0 = 0, h0 = hk * G;
-  const int bl = blockIdx.z;
+  const int split = BLOCK_X;
+  const int nsplit = GRID_X;
+  static_assert(GB >= 1 && G % GB == 0, "GB (query heads per block) must divide G");
+  constexpr int NSUB = G / GB;
+  const int hk = BLOCK_Y / NSUB;
+  const int g0 = (BLOCK_Y % NSUB) * GB;   // this block's first head within the kv head's group
+  const int h0 = hk * G + g0;             // ... and within all H
+  const int bl = BLOCK_Z;
   const int b = bl / L, l = bl % L;
-  const int S = kw_shape[2];
-#if CAUSAL
-  const int n = S - L + l + 1;
+#ifdef AT_OFFSET
+  const int n = off[0] + l + 1;
+#elif CAUSAL
+  const int n = k_w_shape[2] - L + l + 1;
 #else
-  const int n = S;
+  const int n = k_w_shape[2];
 #endif
   const int CH = max((n + nsplit - 1) / nsplit, MINCH);
   const int nvalid = (n + CH - 1) / CH;
@@ -51,12 +58,30 @@
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
+#ifdef WAIT_INPUTS
+  // The chunk's rows of earlier steps do not depend on the earlier phases (the QKV phase writes
+  // only positions off[0] + l): sent on to L2 before the wait, each array's span of rows by lines.
+  {
+    auto span = [&](const auto* a, const auto& st, int row_bytes) {
+      const char* p0 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + start * st[2]);
+      const char* p1 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + (end - 1) * st[2]) + row_bytes;
+      for (const char* p = p0 + tid * 128; p < p1; p += NW * 32 * 128) prefetch_l2(p);
+    };
+    span(k_w, k_w_strides, D * BITS / 8);
+    span(v_w, v_w_strides, D * BITS / 8);
+    span(k_s, k_s_strides, D / GS * (int)sizeof(T));
+    span(k_b, k_b_strides, D / GS * (int)sizeof(T));
+    span(v_s, v_s_strides, D / GS * (int)sizeof(T));
+    span(v_b, v_b_strides, D / GS * (int)sizeof(T));
+  }
+  WAIT_INPUTS;
+#endif
   const int sub = lane / LPP, li = lane % LPP;
   const int d0 = li * 8;
 
-  float qf[G][8], qsum[G];
+  float qf[GB][8], qsum[GB];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GB; ++g) {
     const T* qrow = q + (((size_t)bl * H) + h0 + g) * D + d0;
     qsum[g] = 0.f;
 #pragma unroll
@@ -66,28 +91,28 @@
     }
   }
 #include "split_states.cuh"
-  const unsigned* kwp = kw + b * kw_strides[0] + hk * kw_strides[1] + li * WPL;
-  const unsigned* vwp = vw + b * vw_strides[0] + hk * vw_strides[1] + li * WPL;
-  const T* ksp = ks + b * ks_strides[0] + hk * ks_strides[1] + d0 / GS;
-  const T* kbp = kb + b * kb_strides[0] + hk * kb_strides[1] + d0 / GS;
-  const T* vsp = vs + b * vs_strides[0] + hk * vs_strides[1] + d0 / GS;
-  const T* vbp = vb + b * vb_strides[0] + hk * vb_strides[1] + d0 / GS;
+  const unsigned* kwp = k_w + b * k_w_strides[0] + hk * k_w_strides[1] + li * WPL;
+  const unsigned* vwp = v_w + b * v_w_strides[0] + hk * v_w_strides[1] + li * WPL;
+  const T* ksp = k_s + b * k_s_strides[0] + hk * k_s_strides[1] + d0 / GS;
+  const T* kbp = k_b + b * k_b_strides[0] + hk * k_b_strides[1] + d0 / GS;
+  const T* vsp = v_s + b * v_s_strides[0] + hk * v_s_strides[1] + d0 / GS;
+  const T* vbp = v_b + b * v_b_strides[0] + hk * v_b_strides[1] + d0 / GS;
 #pragma unroll 2
   for (int p = start + warp * PPW + sub; p < end; p += SLOTS) {
     unsigned kq[WPL], vq[WPL];
 #if BITS == 8
-    const uint2 k2 = *reinterpret_cast<const uint2*>(kwp + p * kw_strides[2]);
-    const uint2 v2 = *reinterpret_cast<const uint2*>(vwp + p * vw_strides[2]);
+    const uint2 k2 = *reinterpret_cast<const uint2*>(kwp + p * k_w_strides[2]);
+    const uint2 v2 = *reinterpret_cast<const uint2*>(vwp + p * v_w_strides[2]);
     kq[0] = k2.x; kq[1] = k2.y;
     vq[0] = v2.x; vq[1] = v2.y;
 #else
-    kq[0] = kwp[p * kw_strides[2]];
-    vq[0] = vwp[p * vw_strides[2]];
+    kq[0] = kwp[p * k_w_strides[2]];
+    vq[0] = vwp[p * v_w_strides[2]];
 #endif
-    const float sk = static_cast<float>(ksp[p * ks_strides[2]]);
-    const float bk = static_cast<float>(kbp[p * kb_strides[2]]);
-    const float sv = static_cast<float>(vsp[p * vs_strides[2]]);
-    const float bv = static_cast<float>(vbp[p * vb_strides[2]]);
+    const float sk = static_cast<float>(ksp[p * k_s_strides[2]]);
+    const float bk = static_cast<float>(kbp[p * k_b_strides[2]]);
+    const float sv = static_cast<float>(vsp[p * v_s_strides[2]]);
+    const float bv = static_cast<float>(vbp[p * v_b_strides[2]]);
     float kf[8], vf[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -95,7 +120,7 @@
       vf[j] = static_cast<float>((vq[j * BITS / 32] >> ((j * BITS) % 32)) & QMASK);
     }
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GB; ++g) {
       float dot = 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) dot = fmaf(qf[g][j], kf[j], dot);

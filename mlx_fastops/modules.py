@@ -271,7 +271,7 @@ class FusedBlock(_Fused):
         norm = s["_post_norm"]
         s["add_norm_fn"] = partial(add_norm_fn, weight=norm.weight, eps=norm.eps) if add_norm_fn else None
         # A backend's whole-block decode path (set by the patcher): fast_fn(x, cache) -> out or
-        # None, taken only for caches of type fast_fn.cache_type and no array mask.
+        # None, taken only for caches of the types fast_fn.cache_types and no array mask.
         s["fast_fn"] = None
         return s
 
@@ -280,7 +280,7 @@ class FusedBlock(_Fused):
         if not (w.fast or w.ready()):
             return self.stock_call(x, mask, cache)
         fast = self.fast_fn
-        if fast is not None and type(cache) is fast.cache_type and not isinstance(mask, mx.array):
+        if fast is not None and type(cache) in fast.cache_types and not isinstance(mask, mx.array):
             out = fast(x, cache)
             if out is not None:
                 return out

@@ -57,7 +57,7 @@ class Profile:
 
 class _Timed:
     """Calls `fn`, timing it (outputs evaluated) while the profile records; other attributes are
-    `fn`'s (callers read some, e.g. a fast path's `cache_type`). A call that returns None is a fast
+    `fn`'s (callers read some, e.g. a fast path's `cache_types`). A call that returns None is a fast
     path declining (the composed ops run and are timed instead): not recorded."""
 
     def __init__(self, prof, name, fn):

@@ -78,3 +78,75 @@ def test_head_matches_mlx_ops(B, L, H, HKV, D, qknorm, with_freqs, trad, lpad, d
     for got, poison in ((got_k, 7e3), (got_v, -7e3)):
         rest = np.concatenate([got[:, :, :off], got[:, :, off + L:]], axis=2)
         assert (rest == np.float32(mx.array(poison, dtype).item())).all()
+
+
+def quantize_as_cuda(x, group, bits):
+    """mx.quantize's affine rule on MLX's CUDA backend (its affine_quantize kernel, 0.32), in numpy:
+    x [..., D] -> (packed uint32 [..., D * bits / 32], scales, biases [..., D / group] as float32
+    of x's dtype). Differs from the CPU backend's (true max, round half to even)."""
+    xf = np.asarray(x.astype(F32))
+    shape = xf.shape
+    g = xf.reshape(-1, group)
+    lo, hi = g.min(1), np.maximum(g.max(1), np.float32(0))
+    nbins = np.float32(2 ** bits - 1)
+    round_away = lambda v: (np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5)).astype(np.float32)
+    scale = np.maximum((hi - lo) / nbins, np.float32(1e-7))
+    side = np.abs(lo) > np.abs(hi)
+    scale = np.where(side, scale, -scale)
+    edge = np.where(side, lo, hi)
+    q0 = round_away(edge / scale)
+    at_zero = q0 == 0
+    scale = np.where(at_zero, scale, edge / np.where(at_zero, np.float32(1), q0)).astype(np.float32)
+    bias = np.where(at_zero, np.float32(0), edge).astype(np.float32)
+    q = np.clip(round_away((g - bias[:, None]) / scale[:, None]), 0, nbins).astype(np.uint64)
+    per = 32 // bits
+    q = q.reshape(-1, per) << (np.arange(per, dtype=np.uint64) * bits)
+    words = q.sum(1).astype(np.uint32).reshape(*shape[:-1], -1)
+    rounded = lambda a: np.asarray(mx.array(a).astype(x.dtype).astype(F32)).reshape(*shape[:-1], -1)
+    return words, rounded(scale), rounded(bias)
+
+
+QUANTIZED_CASES = [  # B, L, H, HKV, D, q/k norm, dtype, kv_bits, kv group size
+    (1, 1, 4, 2, 64, True, BF16, 8, 64),
+    (2, 3, 8, 2, 128, True, F16, 4, 32),
+    (1, 2, 4, 1, 256, False, BF16, 8, 128),
+    (3, 1, 4, 4, 128, True, BF16, 4, 64),
+]
+
+
+@pytest.mark.parametrize("B,L,H,HKV,D,qknorm,dtype,bits,group", QUANTIZED_CASES)
+def test_head_quantises_into_the_cache(B, L, H, HKV, D, qknorm, dtype, bits, group, on_gpu):
+    """Over a quantised cache (head "kv"): q as over the float cache, bit for bit, and each new k/v
+    row quantised as mx.quantize does on the CUDA backend (quantize_as_cuda; on a GPU also
+    mx.quantize itself) from the float path's rows, into the packed arrays at off + l; the other
+    positions untouched. Some value groups are all negative (the CUDA rule's maximum starts at 0)."""
+    S, off = 40, 21
+    N = (H + 2 * HKV) * D
+    qkv = (3 * mx.random.normal((B, L, N))).astype(dtype)
+    negative = (mx.arange(N) >= (H + HKV) * D) & ((mx.arange(N) // group) % 3 == 1)   # some v groups
+    qkv = mx.where(negative, -mx.abs(qkv) - 0.25, qkv).astype(dtype)
+    qn, kn = (1 + 0.2 * mx.random.normal((D,))).astype(dtype), (1 + 0.2 * mx.random.normal((D,))).astype(dtype)
+    head = (("D", D), ("H", H), ("HKV", HKV), ("freqs", False), ("keps", 1e-6), ("log2_base", math.log2(1e6)),
+            ("qeps", 1e-6), ("qknorm", qknorm), ("scale", 1.0), ("trad", False), ("L", L))
+    norms = dict(qn=qn, kn=kn) if qknorm else {}
+    kc, vc = mx.zeros((B, HKV, S, D), dtype), mx.zeros((B, HKV, S, D), dtype)
+    q_float = head_rows(qkv, head, dict(off=offset_array(off), kc=kc, vc=vc, after=kc, **norms))
+    mx.eval(q_float)
+    poison = lambda w, t: mx.full((B, HKV, S, w), 77, t)
+    packed = {f"{kv}_{part}": poison(w, t) for kv in "kv"
+              for part, w, t in (("w", D * bits // 32, mx.uint32), ("s", D // group, dtype), ("b", D // group, dtype))}
+    mx.eval(*packed.values())
+    q = head_rows(qkv, head + (("kv", (bits, group)),), dict(off=offset_array(off), after=qkv, **packed, **norms))
+    mx.eval(q)
+    assert mx.array_equal(q, q_float)
+    for kv, rows in (("k", kc), ("v", vc)):
+        new = rows[:, :, off:off + L]
+        want = quantize_as_cuda(new, group, bits)
+        got = [np.asarray(packed[f"{kv}_{p}"].astype(mx.uint32 if p == "w" else F32)) for p in "wsb"]
+        for g, w in zip(got, want):
+            assert np.array_equal(g[:, :, off:off + L], w), kv
+            rest = np.concatenate([g[:, :, :off], g[:, :, off + L:]], axis=2)
+            assert (rest == 77).all(), kv
+        if on_gpu:
+            for g, w in zip(got, mx.quantize(new, group_size=group, bits=bits)):
+                assert np.array_equal(g[:, :, off:off + L], np.asarray(w.astype(g.dtype))), kv

@@ -1,6 +1,9 @@
 """Generation with mlx-lm's quantised KV cache (`kv_bits`) on a model patched for CUDA: through
 mlx_lm.generate.generate_step itself, which converts the cache (maybe_quantize_kv_cache) once it
-holds quantized_kv_start positions; from then on attention is the CUDA quantized_attention op.
+holds quantized_kv_start positions, into StaticQuantizedKVCaches. From then on calls of up to 8
+rows run the one-launch layers (the QKV epilogue quantising each new k/v row into the cache, the
+attention phase reading it packed); longer prompt chunks, and everything with fast_decode off, the
+composed ops with the CUDA quantized_attention op.
 
 Stock mlx-lm cannot run this on a CUDA device (mx.quantized_matmul has no kernel there for these
 shapes at 8 bits), so stock and the float32 oracle (the same quantised model in float32, with a
@@ -17,15 +20,19 @@ from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 import mlx_fastops
 from mlx_fastops import fidelity, synthetic_model
 from mlx_fastops.backends.cuda import quantized_kv
+from mlx_fastops.backends.cuda.cache import StaticQuantizedKVCache
 
 pytestmark = [pytest.mark.cuda]
 
 PROMPT, GEN = 40, 16
-CASES = [  # kv_bits, kv group size, quantized_kv_start, prefill step, query rows the decode kernel sees
+CASES = [  # kv_bits, kv group size, quantized_kv_start, prefill step, fusions off, query rows of the
+    # composed decode kernel's calls (quantized_kv._decode)
     # converted after the first 16-token chunk: the prompt's next chunks over the quantised cache
-    # (16 tokens: dequantised + SDPA; the last 7: the kernel's causal rows), then every decode step
-    (8, 64, 0, 16, {1, 7}),
-    (4, 32, PROMPT + 4, 2048, {1}),   # a few fast-path steps on the StaticKVCache first, then converted
+    # (16 tokens: dequantised + SDPA; the last 7: the one-launch layers), then every decode step
+    (8, 64, 0, 16, (), set()),
+    (4, 32, PROMPT + 4, 2048, (), set()),   # a few fast-path steps on the StaticKVCache first, then converted
+    # the composed ops: the last 7 prompt tokens and every decode step through the decode kernel
+    (8, 64, 0, 16, ("fast_decode",), {1, 7}),
 ]
 
 
@@ -43,8 +50,8 @@ def generate(model, prompt, bits, group, start, chunk, tokens=None, stream=None)
 
 
 @pytest.mark.parametrize("backend", ["cuda"], indirect=True)
-@pytest.mark.parametrize("bits,group,start,chunk,rows", CASES)
-def test_generate_with_quantized_kv_cache(backend, bits, group, start, chunk, rows, monkeypatch):
+@pytest.mark.parametrize("bits,group,start,chunk,off,rows", CASES)
+def test_generate_with_quantized_kv_cache(backend, bits, group, start, chunk, off, rows, monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=6)
     prompt = mx.random.randint(0, model.args.vocab_size, (PROMPT,), key=mx.random.key(6))
@@ -56,16 +63,22 @@ def test_generate_with_quantized_kv_cache(backend, bits, group, start, chunk, ro
     real_decode = quantized_kv._decode
     monkeypatch.setattr(quantized_kv, "_decode", lambda *a: decodes.append(a[0].shape[2]) or real_decode(*a))
     # The emulator runs outside MLX's graph: no mx.compile'd step there (docs/cuda-emulator.md).
-    report = mlx_fastops.patch(model, disable=() if mx.cuda.is_available() else ("compile",))
+    report = mlx_fastops.patch(model, disable=off + (() if mx.cuda.is_available() else ("compile",)))
     try:
-        assert any(e.fusion == "fast_decode" and e.status == "fused" for e in report.entries), str(report)
+        fast = not off
+        assert any(e.fusion == "fast_decode" and e.status == ("fused" if fast else "skipped")
+                   for e in report.entries), str(report)
         _, patched, cache = generate(model, prompt, bits, group, start, chunk, tokens)
     finally:
         mlx_fastops.unpatch(model)
 
-    assert all(type(c) is QuantizedKVCache and c.bits == bits for c in cache)
-    # every L=1 call after the conversion (generate_step's first is the prompt's last token)
-    assert decodes.count(1) == (PROMPT + GEN - max(PROMPT - 1, start)) * len(cache) and set(decodes) == rows
+    assert all(isinstance(c, QuantizedKVCache) and c.bits == bits for c in cache)
+    assert all(type(c) is (StaticQuantizedKVCache if fast else QuantizedKVCache) for c in cache)
+    assert set(decodes) == rows
+    if fast:   # the one-launch layers wrote the last rows (their attention output is the last reader)
+        assert all(c.last_reader is not None for c in cache)
+    else:   # every L=1 call after the conversion (generate_step's first is the prompt's last token)
+        assert decodes.count(1) == (PROMPT + GEN - max(PROMPT - 1, start)) * len(cache)
     # The converted caches' contents, dequantised: patched no further from the oracle's than stock's
     # (a row missing from the conversion would be far off).
     def dequantized(c, i):   # keys (0) or values (1) of a converted cache, float32

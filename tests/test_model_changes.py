@@ -295,7 +295,7 @@ def fingerprint(model):
 
 class _BrokenPath:
     """A backend decode path whose install fails (after every block took it)."""
-    cache_type = object
+    cache_types = (object,)
 
     def block(self, fused_block, disabled):
         return self, None

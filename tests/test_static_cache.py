@@ -130,12 +130,17 @@ def test_batch_cache_fast_path_bookkeeping():
     assert not c.takes(1, 3, 8, mx.float32)   # a prompt chunk before finalize: stock's path
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
-def test_to_quantized_after_the_fast_path(bits, group):
+# (kv_bits, group size, the converted cache's class: the fast path's where its kernels take the format)
+TO_QUANTIZED = [(8, 64, "StaticQuantizedKVCache"), (4, 32, "StaticQuantizedKVCache"), (2, 64, "QuantizedKVCache")]
+
+
+@pytest.mark.parametrize("bits,group,cls", TO_QUANTIZED)
+def test_to_quantized_after_the_fast_path(bits, group, cls):
     """mlx-lm's kv_bits conversion (maybe_quantize_kv_cache): a QuantizedKVCache holding exactly
     what KVCache.to_quantized gives for the same rows, after the last reader was finished (the fast
-    path's in-place writes are done), and decoding on from there like mlx-lm's own. On the CPU the
-    order itself cannot be seen: this checks that the last reader was finished and cleared."""
+    path's in-place writes are done), and decoding on from there like mlx-lm's own, across a growth
+    of its buffers. On the CPU the order itself cannot be seen: this checks that the last reader
+    was finished and cleared."""
     from mlx_lm.models.cache import QuantizedKVCache
 
     ours, ref = StaticKVCache(), KVCache()
@@ -145,8 +150,52 @@ def test_to_quantized_after_the_fast_path(bits, group):
     ours.last_reader = mx.ones((3,))
     q_ours, q_ref = ours.to_quantized(group_size=group, bits=bits), ref.to_quantized(group_size=group, bits=bits)
     assert ours.last_reader is None
-    assert type(q_ours) is QuantizedKVCache and (q_ours.offset, q_ours.bits, q_ours.group_size) == (300, bits, group)
-    step = mx.random.normal((1, 2, 1, 64)).astype(mx.bfloat16)
-    for a, b in zip(q_ours.update_and_fetch(step, step), q_ref.update_and_fetch(step, step)):
-        for x, y in zip(a, b):   # (packed, scales, biases) of keys, then of values
-            assert x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y)
+    assert type(q_ours).__name__ == cls and isinstance(q_ours, QuantizedKVCache)
+    assert (q_ours.offset, q_ours.bits, q_ours.group_size) == (300, bits, group)
+    for n in (1, 900):   # one decode step, then a prompt chunk past the first buffer's 1024 slots
+        step = mx.random.normal((1, 2, n, 64)).astype(mx.bfloat16)
+        for a, b in zip(q_ours.update_and_fetch(step, step - 1), q_ref.update_and_fetch(step, step - 1)):
+            for x, y in zip(a, b):   # (packed, scales, biases) of keys, then of values
+                assert x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y)
+    assert q_ours.offset == 1201
+
+
+# (tokens in the cache (of 2 kv heads, head dim 64, bf16), rows, kv heads, head dim, dtype, kv_bits,
+# group size, whether the fast path takes the cache)
+QUANTIZED_TAKES = [
+    (5, 1, 2, 64, mx.bfloat16, 8, 64, True),
+    (5, 8, 2, 64, mx.bfloat16, 4, 32, True),
+    (0, 1, 2, 64, mx.bfloat16, 8, 64, True),    # empty: its buffers are made on the first step
+    (5, 9, 2, 64, mx.bfloat16, 8, 64, False),   # more rows than the one-launch layer's
+    (5, 1, 3, 64, mx.bfloat16, 8, 64, False),   # other kv heads than the buffers'
+    (5, 1, 2, 128, mx.bfloat16, 8, 64, False),  # another head dim
+    (5, 1, 2, 64, mx.float16, 8, 64, False),    # scales in another dtype
+    (0, 1, 2, 64, mx.bfloat16, 8, 128, False),  # groups that do not tile the head
+]
+
+
+@pytest.mark.parametrize("tokens,B,n_kv,D,dtype,bits,group,takes", QUANTIZED_TAKES)
+def test_static_quantized_cache_takes(tokens, B, n_kv, D, dtype, bits, group, takes):
+    c = StaticKVCache()
+    if tokens:
+        k = mx.random.normal((1 if B > 8 else B, 2, tokens, 64)).astype(mx.bfloat16)
+        c.update_and_fetch(k, k)
+    q = c.to_quantized(group_size=group, bits=bits)
+    assert q.takes(B, n_kv, D, dtype) is takes
+
+
+def test_static_quantized_cache_saves_and_loads(tmp_path):
+    """save_prompt_cache / load_prompt_cache (mlx_lm.cache_prompt) of a converted cache: the same
+    class and contents back (mlx-lm finds the class by name in its cache module)."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    c = StaticKVCache()
+    k = mx.random.normal((1, 2, 7, 64)).astype(mx.bfloat16)
+    c.update_and_fetch(k, k * 2)
+    q = c.to_quantized(group_size=64, bits=8)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [q])
+    loaded, = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert type(loaded) is type(q) and (loaded.offset, loaded.bits, loaded.group_size) == (7, 8, 64)
+    for a, b in zip(loaded.keys_and_values(), q.keys_and_values()):
+        for x, y in zip(a, b):
+            assert mx.array_equal(x, y)

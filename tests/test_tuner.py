@@ -347,7 +347,7 @@ class StubDecodePath(DecodePath):
         if set(self.parts) & disabled:
             return None, "parts disabled"
         fast = lambda x, cache: None
-        fast.cache_type = KVCache
+        fast.cache_types = (KVCache,)
         return fast, None
 
     def install(self, model, fasts, disabled):

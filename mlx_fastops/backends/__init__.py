@@ -13,7 +13,7 @@ class DecodePath:
     block(fused_block, disabled) -> (fast, None) or (None, reason)
         Per modules.FusedBlock, at patch time. fast(x, cache) returns the block's output, or None
         where it does not take this call (the FusedBlock then composes its ops); it is only
-        called for caches of type fast.cache_type.
+        called for caches of the types fast.cache_types.
     install(model, fasts, disabled) -> (installed or None, [(fusion, status, note)])
         Once, after every block was offered (fasts: block() results, None where refused): what
         the path needs on the model (its cache class through model.make_cache, a compiled

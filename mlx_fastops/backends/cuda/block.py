@@ -8,8 +8,8 @@ import mlx.nn as nn
 
 from ...ops.weights import PackedLinear, adapter_of
 from .attention import MAX_GQA, attention, head_subgroup
-from .cache import StaticKVCache
-from .head import head_rows
+from .cache import StaticKVCache, StaticQuantizedKVCache
+from .head import cache_inputs, head_rows
 from .layer import LAYER_GROUPS, layers_launch
 from .qmm import QMM_MAX_ROWS, qmm, takes_weight
 from .source import HALF, MAX_ROWS, offset_array, tickets
@@ -46,7 +46,7 @@ class FastBlock:
     `grouped`); else None, and the FusedBlock takes its composed path. The compiled step also
     runs decode steps of wide_from to wide_rows rows through `wide`."""
 
-    cache_type = StaticKVCache
+    cache_types = (StaticKVCache, StaticQuantizedKVCache)
 
     def __init__(self, block):
         attn, mlp = block._attention, block._mlp
@@ -136,11 +136,12 @@ class FastBlock:
         B, L, _ = x.shape
         return B * L <= MAX_ROWS and x.dtype == self.dtype
 
-    def core(self, x, off, kc, vc, after):
-        """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]) -> (block
-        output, the attention output: the new last reader of kc/vc). Writes this step's k/v rows
-        into kc/vc in place, after the kernel that output `after` (the previous reader)."""
-        return layers_launch([self], x, off, [(kc, vc, after)])
+    def core(self, x, off, *bufs):
+        """x [B, L, K], off int32[OFF_WORDS] (cache length before these tokens in [0]), bufs: the
+        cache's fast_inputs() -> (block output, the attention output: the new last reader of the
+        cache). Writes this step's k/v rows into the cache in place, after the kernel that output
+        `after` (the previous reader: bufs' last)."""
+        return layers_launch([self], x, off, [bufs])
 
     def wide(self, x, off, kc, vc, after, lp=None):
         """core() for a decode step (L = 1) of wide_from to wide_rows rows: input RMSNorm, QKV on
@@ -163,16 +164,16 @@ class FastBlock:
             c = self._counters[nlayers] = tickets(LAYER_GROUPS * nlayers)
         return c
 
-    def layer_arrays(self, j, kc, vc, after, lp=None):
-        """This block's inputs of a layer launch, as layer j (names of layer.layer_build); lp: a
-        batch cache's left padding."""
+    def layer_arrays(self, j, head, bufs):
+        """This block's inputs of a layer launch, as layer j (names of layer.layer_build); head: the
+        launch's head description, bufs: the cache's fast_inputs() (its arrays, `after`, a batch
+        cache's left padding)."""
         qkv, o, gu, dn = self.qkv, self.o, self.gate_up, self.down
         a = {"qkv_w": qkv.weight, "qkv_sc": qkv.scales, "qkv_bi": qkv.biases, "in_nw": self.in_norm[0],
-             "kc": kc, "vc": vc, "after": after, "o_w": o.weight, "o_sc": o.scales, "o_bi": o.biases,
+             "o_w": o.weight, "o_sc": o.scales, "o_bi": o.biases,
              "gu_w": gu.weight, "gu_sc": gu.scales, "gu_bi": gu.biases, "post_nw": self.post_norm[0],
              "dn_w": dn.weight, "dn_sc": dn.scales, "dn_bi": dn.biases}
-        if lp is not None:
-            a["lp"] = lp
+        a.update(zip(cache_inputs(head) + ["after", "lp"], bufs))
         if qkv.bias is not None:
             a["qkv_bias"] = qkv.bias
         a.update(self.head_arrays())
@@ -195,6 +196,8 @@ class FastBlock:
         if not self.supports(x):
             return None
         B, L, _ = x.shape
+        if not cache.takes(B, self.HKV, self.D, x.dtype):
+            return None
         prev = cache.offset
         cache.reserve(B, self.HKV, self.D, x.dtype, prev + L)
         out, cache.last_reader = self.core(x, offset_array(prev), *cache.fast_inputs())

@@ -1,12 +1,14 @@
 """The KV caches of the fast decode path, written in place by its kernels: StaticKVCache (mlx-lm's
-KVCache, one sequence per row, one offset) and StaticBatchKVCache (mlx-lm's BatchKVCache: rows
-left-padded, finishing and joining as mlx-lm's BatchGenerator batches them)."""
+KVCache, one sequence per row, one offset), StaticQuantizedKVCache (mlx-lm's QuantizedKVCache, what
+StaticKVCache.to_quantized makes: generate_step's kv_bits) and StaticBatchKVCache (mlx-lm's
+BatchKVCache: rows left-padded, finishing and joining as mlx-lm's BatchGenerator batches them)."""
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_lm_cache
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
-from .source import PAD_WORDS
+from .quantized_kv import KV_BITS, KV_GROUPS
+from .source import MAX_ROWS, PAD_WORDS
 
 
 class _WrittenInPlace:
@@ -95,14 +97,97 @@ class StaticKVCache(_WrittenInPlace, KVCache):
 
     def to_quantized(self, group_size=64, bits=4):
         """mlx-lm's conversion to a QuantizedKVCache (generate_step's kv_bits), of the buffers as
-        the fast path's pending in-place writes leave them."""
+        the fast path's pending in-place writes leave them: a StaticQuantizedKVCache where the fast
+        path takes the format, else mlx-lm's own class."""
         self._ordered()
-        return super().to_quantized(group_size=group_size, bits=bits)
+        if bits not in KV_BITS or group_size not in KV_GROUPS:
+            return super().to_quantized(group_size=group_size, bits=bits)
+        q = StaticQuantizedKVCache(group_size=group_size, bits=bits)
+        q.offset = self.offset
+        if self.keys is not None:
+            q.keys = mx.quantize(self.keys, group_size=group_size, bits=bits)
+            q.values = mx.quantize(self.values, group_size=group_size, bits=bits)
+        return q
 
     @classmethod
     def merge(cls, caches):
         # mlx-lm's BatchGenerator batches the model's caches through this: a batch the fast path takes
         return StaticBatchKVCache.merge(caches)
+
+
+class StaticQuantizedKVCache(_WrittenInPlace, QuantizedKVCache):
+    """QuantizedKVCache whose buffers grow in big steps and are written in place by the fast decode
+    path: keys and values are each (packed uint32 [B, Hkv, S, D * bits / 32], scales, biases
+    [B, Hkv, S, D / group_size]); the fast path's QKV epilogue quantises each new k/v row as
+    mx.quantize does on this backend, at `offset`. Prefill and every other path write through
+    `update_and_fetch` as QuantizedKVCache does (mx.quantize, slice assignment)."""
+
+    step = StaticKVCache.step
+
+    def position(self):
+        return self.offset
+
+    def takes(self, B, n_kv, D, dtype):
+        """Whether the one-launch layer can decode B rows over this cache (4/8 bits, groups of
+        32/64/128 that tile D; batches of at most MAX_ROWS rows: FastBlock.wide has no quantised
+        cache)."""
+        if B > MAX_ROWS or self.bits not in KV_BITS or self.group_size not in KV_GROUPS or D % self.group_size:
+            return False
+        k = self.keys
+        return k is None or (k[0].shape[:2] == (B, n_kv) and k[0].shape[3] * 32 == D * self.bits
+                             and k[1].dtype == dtype and self.values[0].shape == k[0].shape)
+
+    def reserve(self, B, n_kv, D, dtype, needed):
+        """Buffers of at least `needed` positions (takes() holds: the same B, n_kv, D, dtype)."""
+        if self.keys is not None and self.keys[0].shape[2] >= needed:
+            return
+        self._ordered()
+        S = -(-needed // self.step) * self.step
+        widths = (D * self.bits // 32, D // self.group_size, D // self.group_size)
+
+        def grown(old):
+            new = tuple(mx.zeros((B, n_kv, S, w), t) for w, t in zip(widths, (mx.uint32, dtype, dtype)))
+            if old is not None and self.offset > 0:
+                for n, o in zip(new, old):
+                    n[..., : self.offset, :] = o[..., : self.offset, :]
+            return new
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
+
+    def fast_inputs(self):
+        """(k_w, k_s, k_b, v_w, v_s, v_b, after): see _WrittenInPlace.fast_inputs (`after` is an
+        array of the activation dtype: the key scales where there is no last reader)."""
+        after = self.keys[1] if self.last_reader is None else self.last_reader
+        return (*self.keys, *self.values, after)
+
+    def advance(self, L, reader):
+        self.offset += L
+        self.last_reader = reader
+
+    def update_and_fetch(self, keys, values):
+        B, n_kv, L, D = keys.shape
+        prev = self.offset
+        self.reserve(B, n_kv, D, keys.dtype, prev + L)
+        self._ordered()
+        self.offset += L
+        for buf, new in ((self.keys, keys), (self.values, values)):
+            for b, q in zip(buf, mx.quantize(new, group_size=self.group_size, bits=self.bits)):
+                b[..., prev : self.offset, :] = q
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        self._ordered()
+        return tuple(tuple(a[..., : self.offset, :] for a in t) for t in (self.keys, self.values))
+
+    @property
+    def state(self):
+        self._ordered()
+        return QuantizedKVCache.state.fget(self)
+
+    @state.setter
+    def state(self, v):
+        self._ordered()
+        QuantizedKVCache.state.fset(self, v)
 
 
 class StaticBatchKVCache(_WrittenInPlace, BatchKVCache):
@@ -232,4 +317,5 @@ class StaticBatchKVCache(_WrittenInPlace, BatchKVCache):
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: let it find ours, so a
 # prompt cache saved from a patched model (mlx_lm.cache_prompt, save_prompt_cache) loads again.
 _mlx_lm_cache.StaticKVCache = StaticKVCache
+_mlx_lm_cache.StaticQuantizedKVCache = StaticQuantizedKVCache
 _mlx_lm_cache.StaticBatchKVCache = StaticBatchKVCache

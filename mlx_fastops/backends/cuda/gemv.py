@@ -16,7 +16,7 @@ from mlx_lm.models.activations import swiglu
 from ...kernels import cached_builder, cuda_kernel
 from .. import reference
 from . import prefill, qmm
-from .head import head_defines
+from .head import cache_inputs, head_defines
 from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
@@ -88,7 +88,7 @@ def gemv_inputs(norm, bias, res, head=None):
         if head["qknorm"]:
             names += ["qn", "kn"]
         names += ["off"] + (["lp"] if head.get("lpad") else []) + (["rf"] if head["freqs"] else [])
-        names += ["kc", "vc", "cnt", "after"]
+        names += cache_inputs(head) + ["cnt", "after"]
     return names
 
 

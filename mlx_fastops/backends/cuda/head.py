@@ -3,6 +3,8 @@ of the decode GEMV's EPI 3 (cuda/head.cuh) as a launch of its own, after qmm's r
 
     q[b, l, h] = rope(norm_q(qkv[b, l, q_h]), p),  k likewise into kc[b, :, off + l],
     v[b, l, h] = qkv[b, l, v_h] into vc[b, :, off + l],   p = off + l (- left padding of row b)
+    over a quantised cache (head "kv" = (bits, group size)): k and v quantised as mx.quantize does on
+    this backend into the packed k_w / k_s / k_b, v_w / v_s / v_b instead
 
 norm_q, norm_k: the q/k RMSNorm where the model has one (Qwen3). The k/v rows are written into the
 cache buffers in place (MLX does not see it): the kernel takes the buffers' last reader as an input.
@@ -21,12 +23,20 @@ def head_defines(head):
              ROPE_FREQS=head["freqs"], ROPE_LOG2_BASE=flt(head["log2_base"]), ROPE_SCALE=flt(head["scale"]))
     if head.get("lpad"):
         d["LEFT_PAD"] = 1
+    if head.get("kv"):
+        d["KV_BITS"], d["KV_GS"] = head["kv"]
     return d
+
+
+def cache_inputs(head):
+    """The cache arrays the head epilogue writes and the attention reads (by strides): the float
+    buffers, or a quantised cache's packed words, scales and biases of keys and of values."""
+    return ["k_w", "k_s", "k_b", "v_w", "v_s", "v_b"] if head.get("kv") else ["kc", "vc"]
 
 
 def head_inputs(head):
     names = ["qkv"] + (["qn", "kn"] if head["qknorm"] else []) + ["off"]
-    return names + (["lp"] if head.get("lpad") else []) + (["rf"] if head["freqs"] else []) + ["kc", "vc", "after"]
+    return names + (["lp"] if head.get("lpad") else []) + (["rf"] if head["freqs"] else []) + cache_inputs(head) + ["after"]
 
 
 @cached_builder

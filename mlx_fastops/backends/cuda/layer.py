@@ -1,7 +1,8 @@
 """The decoder layer as one launch: its five phases as five consecutive groups of blocks.
 
   1. input RMSNorm + QKV GEMV + q/k RMSNorm + RoPE + k/v written into the cache (gemv.cu, EPI 3)
-  2. attention over the cache buffers, split over the sequence (attention.cu)
+  2. attention over the cache buffers, split over the sequence (attention.cu; over a quantised
+     cache, quantized_attention.cu, which the QKV phase's epilogue writes as mx.quantize would)
   3. o_proj GEMV + residual add (gemv.cu, EPI 1)
   4. post-attention RMSNorm + gate/up GEMV + SiLU * up (gemv.cu, EPI 2)
   5. down GEMV + residual add (gemv.cu, EPI 1)
@@ -26,11 +27,12 @@ from ...kernels import cached_builder, cuda_kernel, read_source
 from .attention import attn_defines, attn_partials
 from .gemv import (gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, stream_blocks, x_stage,
                    x_stage_bytes)
+from .head import cache_inputs
 from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 
-_PTYPES = {"w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
+_PTYPES = {"w": "const uint32_t*", "k_w": "const uint32_t*", "v_w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
            "ctr": "const int32_t*", "rf": "const float*", "wait_g": "int", "wait_n": "int",
            "ys": "float*", "pm": "float*", "po": "float*"}
 _WAITS = ["ctr", "wait_g", "wait_n"]   # WAIT_INPUTS' parameters: the counter, the group, its blocks
@@ -60,7 +62,7 @@ def _phase_args(x, out, w, bias, head):
     lp = [P("lp")] if head.get("lpad") else []   # a batch cache's left padding, per layer
     qkv = [x, P("qkv_w"), P("qkv_w", "_shape"), P("qkv_sc"), P("qkv_bi"), P("in_nw")]
     qkv += ([P("qkv_bias")] if bias else []) + ([P("qn"), P("kn")] if head["qknorm"] else []) + ["off"] + lp
-    cache = [P("kc"), P("kc", "_strides"), P("vc"), P("vc", "_strides")]
+    cache = [a for n in cache_inputs(head) for a in (P(n), P(n, "_strides"))]
     qkv += ([P("rf")] if head["freqs"] else []) + cache + ["head_cnt", P("after")]
     return [("layer_qkv", qkv + w(0) + ["yq", "ys"]),
             ("layer_attn", ["yq", *cache, "off", *lp, "attn_cnt"] + w(1) + ["o", "pm", "po"]),
@@ -101,19 +103,21 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
         d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, launched if launched < nb else 0)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
         header.append(_phase(name, "gemv.cu", d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
-                             gemv_outputs(epi), shaped=("w",), strided=("kc", "vc")))
+                             gemv_outputs(epi), shaped=("w",), strided=cache_inputs(head)))
         sizes.append(launched)
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
     if head.get("lpad"):
         ad["LEFT_PAD"] = 1
+    if head.get("kv"):   # the quantised cache's slots past off[0] + l are not positions yet
+        ad.update(BITS=head["kv"][0], GS=head["kv"][1], CAUSAL=0, AT_OFFSET=1)
     ys = HKV * ad["G"] // ad["GB"]   # the attention grid's y: kv heads x head subgroups
     ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {ys})",
               BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
-    attn_in = ["q", "kc", "vc", "off"] + (["lp"] if head.get("lpad") else []) + ["cnt"]
-    header.append(_phase("layer_attn", "attention.cu", ad, dtype, attn_in + _WAITS,
-                         ["o", "pm", "po"], strided=("kc", "vc")))
+    attn_in = ["q", *cache_inputs(head), "off"] + (["lp"] if head.get("lpad") else []) + ["cnt"]
+    header.append(_phase("layer_attn", "quantized_attention.cu" if head.get("kv") else "attention.cu", ad, dtype,
+                         attn_in + _WAITS, ["o", "pm", "po"], strided=cache_inputs(head)))
     sizes.append(nsplit * ys * M)
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
     gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None)
@@ -214,8 +218,9 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
 def layers_launch(blocks, x, off, bufs, stamps=False):
     """Consecutive decoder layers (block.FastBlock objects with one launch_key) in one launch:
     x [B, L, K] -> (output of the last, the attention scratch output: the new last reader of every
-    layer's cache). bufs: (kc, vc, after) per block, or for a batch cache (kc, vc, after, lp: its
-    left padding, int32[max(B, PAD_WORDS)]). With stamps (benchmarks/cuda_layer_phases.py), also
+    layer's cache). bufs: per block its cache's fast_inputs(): (kc, vc, after), for a batch cache
+    (kc, vc, after, lp: its left padding, int32[max(B, PAD_WORDS)]), for a quantised cache (k_w,
+    k_s, k_b, v_w, v_s, v_b, after: head.cache_inputs). With stamps (benchmarks/cuda_layer_phases.py), also
     (int64 [blocks, 3]: each block's entry and end time in ns and its SM, blocks per group in
     launch order)."""
     fb = blocks[0]
@@ -226,14 +231,14 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     # buffer grows by 256 slots, and a server would build a launch per length class mid-service
     nsplit, partials = attn_partials(M * fb.HKV, None, fb.H // fb.HKV, fb.gb, fb.D)
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
-    head = fb.head + (("L", L),) + ((("lpad", True),) if len(bufs[0]) == 4 else ())
+    head = fb.head + (("L", L),) + kv_format(bufs[0], fb.D)
     kern, groups, names = layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
                                       head, nsplit, fb.scale, fb.gb, len(blocks), stamps)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}
     for j, (b, buf) in enumerate(zip(blocks, bufs)):
-        arrays.update(b.layer_arrays(j, *buf))
+        arrays.update(b.layer_arrays(j, dict(head), buf))
     f32 = mx.float32
     shapes_out = [(B, L, K), (B, L, fb.H, fb.D), (M, qkv.out_features), (B, L, fb.H, fb.D), *partials, (M, K),
                   (M, gu.out_features // 2)]
@@ -244,3 +249,11 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out, output_dtypes=dtypes_out,
                 grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))
     return (outs[0], outs[3], outs[-1], groups) if stamps else (outs[0], outs[3])
+
+
+def kv_format(bufs, D):
+    """The head description's cache items for a cache's fast_inputs(): a quantised cache's
+    ("kv", (bits, group size)) from its packed shapes, a batch cache's ("lpad", True), else none."""
+    if bufs[0].dtype == mx.uint32:
+        return (("kv", (32 * bufs[0].shape[-1] // D, D // bufs[1].shape[-1])),)
+    return (("lpad", True),) if len(bufs) == 4 else ()

@@ -36,7 +36,7 @@ def _kernel(dtype, L, H, HKV, D, scale, bits, group_size, causal):
     defines = {**attn_defines(L, H, HKV, D, scale), "BITS": bits, "GS": group_size, "CAUSAL": causal}
     src = source("quantized_attention.cu", defines, dtype)
     return cuda_kernel(name=kernel_name("qattn", src),
-                       input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "cnt"],
+                       input_names=["q", "k_w", "k_s", "k_b", "v_w", "v_s", "v_b", "cnt"],
                        output_names=["o", "pm", "po"], source=src, ensure_row_contiguous=False)
 
 

@@ -23,7 +23,7 @@ PAD_WORDS = 4  # a batch cache's left padding, int32[max(B, PAD_WORDS)]: over 8 
 STANDALONE = dict(BLOCK_X="blockIdx.x", BLOCK_Y="blockIdx.y", BLOCK_Z="blockIdx.z", GRID_X="gridDim.x")
 # Features a kernel has where the wrapper defines them, and lacks otherwise: an `#ifdef` on one that
 # is not defined is cut here, so a kernel without the feature has the source it had before it.
-FLAGS = ("LEFT_PAD",)
+FLAGS = ("LEFT_PAD", "KV_BITS", "AT_OFFSET")
 _INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 
@@ -38,9 +38,11 @@ def source(filename, defines, dtype):
 
 
 def _included(filename):
-    """cuda/filename without its comment lines (MLX hashes every launch's source)."""
-    return "".join(l for l in read_source("cuda", filename).splitlines(keepends=True)
+    """cuda/filename without its comment lines (MLX hashes every launch's source), its own
+    includes expanded."""
+    text = "".join(l for l in read_source("cuda", filename).splitlines(keepends=True)
                    if not l.lstrip().startswith("//"))
+    return _INCLUDE.sub(lambda m: _included(m.group(1)), text)
 
 
 def kernel_name(kind, src):

@@ -7,9 +7,11 @@ step of up to QMM_MAX_ROWS rows) is one compiled function: embedding, the layers
 to MAX_ROWS tokens the layers are the one-launch layers (consecutive small layers sharing one:
 launch_runs); decode steps from FastBlock.wide_from rows run FastBlock.wide's eight launches a
 layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
-mlx-lm's BatchGenerator merges those caches into StaticBatchKVCaches (left-padded rows, one write
-index), which the same step takes (the kernels given each row's left padding); anything else
-takes the composed fused ops.
+generate_step's kv_bits converts them to StaticQuantizedKVCaches (4/8 bits), which the same step
+takes up to MAX_ROWS rows (the one-launch layers quantising each new k/v row); mlx-lm's
+BatchGenerator merges them into StaticBatchKVCaches (left-padded rows, one write index), which the
+same step takes (the kernels given each row's left padding); anything else takes the composed
+fused ops.
 The step also computes the next cache offset on the GPU (a host-made offset array faults once on
 first use: source.OFF_WORDS).
 
@@ -27,7 +29,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import DecodePath
 from .block import FastBlock
-from .cache import StaticBatchKVCache, StaticKVCache
+from .cache import StaticBatchKVCache, StaticKVCache, StaticQuantizedKVCache
 from .layer import layers_launch
 from .source import MAX_ROWS, offset_array
 
@@ -67,10 +69,11 @@ def _compiled_call(self, inputs, cache=None, input_embeddings=None):
 
 
 def _fast_caches(blocks, cache, B):
-    """Whether the decode step takes B rows over `cache`: one cache per block, all StaticKVCache or
-    all StaticBatchKVCache, at one write position, each able to take the rows."""
+    """Whether the decode step takes B rows over `cache`: one cache per block, all StaticKVCache,
+    all StaticQuantizedKVCache or all StaticBatchKVCache, at one write position, each able to take
+    the rows."""
     kind = type(cache[0])
-    if kind not in (StaticKVCache, StaticBatchKVCache) or len(cache) != len(blocks):
+    if kind not in (StaticKVCache, StaticQuantizedKVCache, StaticBatchKVCache) or len(cache) != len(blocks):
         return False
     pos = cache[0].position()
     return all(type(c) is kind and c.position() == pos and c.takes(B, fb.HKV, fb.D, fb.dtype)
@@ -148,7 +151,8 @@ def _compile_step(model, fasts, wide):
         if h.dtype != dtype:
             h = h.astype(dtype)
         readers = []
-        if tokens.shape[1] == 1 and tokens.shape[0] >= first_wide:
+        # (a quantised cache's batches of at most MAX_ROWS rows stay on the one-launch layers)
+        if tokens.shape[1] == 1 and tokens.shape[0] >= first_wide and bufs[0].dtype != mx.uint32:
             for fb, b in zip(fasts, layer_bufs):
                 h, o = fb.wide(h, off, *b)
                 readers.append(o)
