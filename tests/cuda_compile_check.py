@@ -115,7 +115,7 @@ def qmm_case(dtype, M, K, N, bits, epi, bias=False):
 def head_case(dtype, head):
     T = CTYPE[dtype]
     types = {"qkv": T, "qn": T, "kn": T, "off": "int32_t", "lp": "int32_t", "rf": "float", "kc": T, "vc": T,
-             "after": T}
+             "after": T, "k_w": "uint32_t", "k_s": T, "k_b": T, "v_w": "uint32_t", "v_s": T, "v_b": T}
     ins = [(n, types[n]) for n in HD.head_inputs(head)]
     return wrap(f"head_d{head['D']}", source("head.cu", HD.head_defines(head), dtype), ins, [("yq", T)]), 32
 
@@ -132,7 +132,7 @@ def qattn_case(dtype, L, H, HKV, D, bits, gs, causal):
     T = CTYPE[dtype]
     defines = {**A.attn_defines(L, H, HKV, D, 0.0883883), "BITS": bits, "GS": gs, "CAUSAL": causal}
     src = source("quantized_attention.cu", defines, dtype)
-    ins = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T), ("vb", T),
+    ins = [("q", T), ("k_w", "uint32_t"), ("k_s", T), ("k_b", T), ("v_w", "uint32_t"), ("v_s", T), ("v_b", T),
            ("cnt", "int32_t")]
     outs = [("o", T), ("pm", "float"), ("po", "float")]
     return wrap(f"qattn_d{D}_g{H // HKV}_b{bits}", src, ins, outs), A.ATTN_WARPS * 32
@@ -182,7 +182,12 @@ def cases():
               # a batch cache's rows (LEFT_PAD: per-layer left padding)
               ("qwen3-0.6b batch", 4, {**q06, "lpad": True}, 33, shapes06, False, 1, False),
               ("qwen3-0.6b batch", 8, {**q06, "lpad": True}, 33, shapes06, False, 28, False),
-              ("qwen2.5-0.5b batch", 3, {**q25, "lpad": True}, 33, shapes25, True, 1, False)]
+              ("qwen2.5-0.5b batch", 3, {**q25, "lpad": True}, 33, shapes25, True, 1, False),
+              # over a quantised cache (kv_bits): the QKV epilogue quantises, the attention phase reads packed
+              ("qwen3-4b kv8", 1, {**q06, "H": 32, "kv": (8, 64)}, 17, shapes4b, False, 1, False),
+              ("qwen3-8b kv4", 1, {**q06, "H": 32, "kv": (4, 64)}, 17, shapes8b, False, 1, False),
+              ("qwen3-0.6b kv8", 2, {**q06, "kv": (8, 64)}, 33, shapes06, False, 28, False),
+              ("llama-1b kv8", 1, {**llama1b, "kv": (8, 32)}, 33, shapes_l1b, False, 16, False)]
     for name, M, head, nsplit, shapes, bias, n, stamps in layers:
         yield (f"layers x{n} {name} M{M}{' stamps' if stamps else ''}",
                layer_case(M, head, nsplit, shapes, bias, n, stamps))
@@ -211,6 +216,7 @@ def cases():
             yield f"qmm e{epi} K{K} M{M}", qmm_case(bf, M, K, N, 4, epi)
     yield "qmm 8-bit bias f16", qmm_case(f16, 12, 1024, 1024, 8, 0, True)
     yield "head D128 lpad", head_case(bf, {**q06, "H": 32, "lpad": True})
+    yield "head D128 kv8", head_case(bf, {**q06, "H": 32, "kv": (8, 64)})
     yield "qattn fp32", qattn_case(mx.float32, 1, 16, 8, 128, 4, 128, False)
 
 

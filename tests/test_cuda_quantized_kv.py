@@ -13,6 +13,7 @@ stock's greedy tokens, and judged by the half-precision standard (mlx_fastops.fi
 """
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -93,3 +94,70 @@ def test_generate_with_quantized_kv_cache(backend, bits, group, start, chunk, of
     verdict = fidelity.judge(stock, patched, exact)
     print(f"kv_bits={bits} group={group} start={start}: stock {verdict['stock']}, patched {verdict['patched']}")
     assert not verdict["problems"], verdict["problems"]
+
+
+def _rel(a, b):
+    a, b = (np.asarray(t.astype(mx.float32)).astype(np.float64) for t in (a, b))
+    assert np.isfinite(a).all(), "non-finite output"
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("name,L,bits,group", [("qwen3-tiny", 1, 8, 64), ("llama-tiny", 3, 4, 32),
+                                               ("qwen3-tiny", 2, 4, 64)])
+def test_one_launch_layer_over_a_quantized_cache(name, L, bits, group, on_gpu, monkeypatch):
+    """One layer's launch (fb.core) over a quantised cache of P positions: the new k/v rows it packs
+    are the rows the same launch writes into a float cache, quantised as mx.quantize does on CUDA
+    (quantize_as_cuda), bit for bit; the other positions untouched; its output no further from the
+    block evaluated in float32 over mlx-lm's QuantizedKVCache holding the same positions (which
+    quantises the new rows with mx.quantize) than the stock bf16 block over it. Again with
+    attention blocks of every query head of a kv head: bit for bit."""
+    from test_cuda_head import quantize_as_cuda
+
+    from mlx_fastops.backends.cuda.source import offset_array
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
+    stock = model.model.layers[0]
+    mlx_fastops.patch(model, disable=("compile",))
+    try:
+        fb = model.model.layers[0].fast_fn
+        P, S = 70, 128
+        rows = [mx.random.normal((1, fb.HKV, S, fb.D)).astype(mx.bfloat16) for _ in range(2)]
+        quantized = [mx.quantize(r, group_size=group, bits=bits) for r in rows]
+        x = mx.random.normal((1, L, model.args.hidden_size)).astype(mx.bfloat16)
+
+        def run_quantized():
+            bufs = [a + 0 for t in quantized for a in t]
+            mx.eval(bufs)
+            out, o = fb.core(x, offset_array(P), *bufs, bufs[1])
+            mx.eval(out, o)
+            return out, bufs
+
+        out_q, bufs = run_quantized()
+        G_ = fb.H // fb.HKV
+        fb.gb, gb = G_, fb.gb
+        variant = run_quantized()
+        fb.gb = gb
+        kc, vc = (mx.dequantize(*t, group_size=group, bits=bits) for t in quantized)
+        _, _ = fb.core(x, offset_array(P), kc, vc, kc)   # the new rows, unquantised
+        mx.eval(kc, vc)
+    finally:
+        mlx_fastops.unpatch(model)
+    for a, b in zip((out_q, *bufs), (variant[0], *variant[1])):
+        assert mx.array_equal(a, b)
+    for i, new in enumerate((kc, vc)):
+        want = quantize_as_cuda(new[:, :, P:P + L], group, bits)
+        for got, w, old in zip(bufs[3 * i:3 * i + 3], want, quantized[i]):
+            g = np.asarray(got.astype(mx.uint32 if got.dtype == mx.uint32 else mx.float32))
+            assert np.array_equal(g[:, :, P:P + L], w), i
+            assert mx.array_equal(got[:, :, :P], old[:, :, :P]) and mx.array_equal(got[:, :, P + L:], old[:, :, P + L:])
+    oracle = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)).model.layers[0]
+    ref = []
+    for blk, dt in ((oracle, mx.float32), (stock, mx.bfloat16)):
+        cache = QuantizedKVCache(group_size=group, bits=bits)
+        cache.keys, cache.values = (tuple(a[:, :, :P].astype(mx.uint32 if a.dtype == mx.uint32 else dt) for a in t)
+                                    for t in quantized)
+        cache.offset = P
+        ref.append(blk(x.astype(dt), mask="causal" if L > 1 else None, cache=cache))
+    print(f"{name} L={L} kv_bits={bits}: vs float32 patched {_rel(out_q, ref[0]):.2e}, stock {_rel(ref[1], ref[0]):.2e}")
+    assert _rel(out_q, ref[0]) <= max(1.1 * _rel(ref[1], ref[0]), 1e-2)
