@@ -5,8 +5,8 @@
 #   models       pytest -m cuda tests/test_cuda_models.py tests/test_cuda_batch.py
 #   correctness  both suites side by side (each over 4 pytest-xdist workers where xdist is installed)
 #   bench        the README's table: mlx-fastops bench, 4 models, -p 512,2048,8192 -g 128 -n 3 -> results/cuda_bench.*
-#   kv8          the bench over mlx-lm's 8-bit QuantizedKVCache beside the float cache, 4 models, -p 8192 -g 64 -n 3
-#                -> results/cuda_bench_kv8.*
+#   kv8, kv4     the bench over mlx-lm's 8-bit (4-bit) QuantizedKVCache beside the float cache, 4 models, -p 8192
+#                -g 64 -n 3 -> results/cuda_bench_kv8.* (kv4.*)
 #   ab NAMES...  the bench and the phase tables, each beside a copy patched without each NAMES
 #   tune         mlx-fastops tune on Qwen3-0.6B and Qwen3-4B (the decisions, the first tuning's wall
 #                time) -> results/cuda_tune_MODEL.*
@@ -79,10 +79,11 @@ case "$mode" in
     tail -n 3 "$OUT/visit_models.txt"; tail -n 4 "$OUT/visit_tests.txt" ;;
   bench)
     bench "$R/cuda_bench" 560; cp "$R"/cuda_bench.* "$OUT/" ;;
-  kv8)
-    timeout 300 python3 -m mlx_fastops bench --model $MODELS -p 8192 -g 64 -n 3 --kv-bits 8 \
-      --json "$R/cuda_bench_kv8.json" --markdown "$R/cuda_bench_kv8.md" > "$LOGS/bench_kv8.log" 2>&1
-    grep -E "^\| (qwen|llama)" "$R/cuda_bench_kv8.md" | cut -c1-230; cp "$R"/cuda_bench_kv8.* "$OUT/" ;;
+  kv8|kv4)
+    b=${mode#kv}
+    timeout 300 python3 -m mlx_fastops bench --model $MODELS -p 8192 -g 64 -n 3 --kv-bits $b \
+      --json "$R/cuda_bench_kv$b.json" --markdown "$R/cuda_bench_kv$b.md" > "$LOGS/bench_kv$b.log" 2>&1
+    grep -E "^\| (qwen|llama)" "$R/cuda_bench_kv$b.md" | cut -c1-230; cp "$R"/cuda_bench_kv$b.* "$OUT/" ;;
   tune)
     for m in qwen3-0.6b qwen3-4b; do
       timeout 280 python3 -m mlx_fastops tune --model $m --json "$R/cuda_tune_$m.json" > "$R/cuda_tune_$m.md" \
