@@ -157,6 +157,8 @@ def test_one_launch_layer_over_a_quantized_cache(name, L, bits, group, on_gpu, m
         cache.keys, cache.values = (tuple(a[:, :, :P].astype(mx.uint32 if a.dtype == mx.uint32 else dt) for a in t)
                                     for t in quantized)
         cache.offset = P
-        ref.append(blk(x.astype(dt), mask="causal" if L > 1 else None, cache=cache))
+        with mx.stream(mx.cpu):   # stock's quantised attention has no CUDA kernel for these shapes
+            ref.append(blk(x.astype(dt), mask="causal" if L > 1 else None, cache=cache))
+            mx.eval(ref[-1])
     print(f"{name} L={L} kv_bits={bits}: vs float32 patched {_rel(out_q, ref[0]):.2e}, stock {_rel(ref[1], ref[0]):.2e}")
     assert _rel(out_q, ref[0]) <= max(1.1 * _rel(ref[1], ref[0]), 1e-2)
