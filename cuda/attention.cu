@@ -31,20 +31,7 @@
 // Inputs: q, kc, vc, off, [lp (LEFT_PAD: int32 per row)], cnt (>= B*L*HKV*G/GB).   Outputs: o [B, L, H, D],
 //   pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
-  constexpr int LPP = D / 8;
-  constexpr int PPW = 32 / LPP;
-  constexpr int SLOTS = NW * PPW;
-  constexpr int MAXSPLIT = 64;
-
-  const int split = BLOCK_X;
-  const int nsplit = GRID_X;
-  static_assert(GB >= 1 && G % GB == 0, "GB (query heads per block) must divide G");
-  constexpr int NSUB = G / GB;
-  const int hk = BLOCK_Y / NSUB;
-  const int g0 = (BLOCK_Y % NSUB) * GB;   // this block's first head within the kv head's group
-  const int h0 = hk * G + g0;             // ... and within all H
-  const int bl = BLOCK_Z;
-  const int b = bl / L, l = bl % L;
+#include "split_block.cuh"
 #ifdef LEFT_PAD
   const int first = lp[b];                 // row b's keys start after its left padding
   const int n = off[0] + l + 1 - first;    // ... and these are its valid positions

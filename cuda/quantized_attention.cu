@@ -26,23 +26,11 @@
 // Inputs: q, k_w, k_s, k_b, v_w, v_s, v_b, [off (AT_OFFSET)], cnt (>= B*L*HKV*G/GB).
 // Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
-  constexpr int LPP = D / 8;
-  constexpr int PPW = 32 / LPP;
-  constexpr int SLOTS = NW * PPW;
-  constexpr int MAXSPLIT = 64;
+#include "split_block.cuh"
   constexpr int WPL = BITS / 4;   // packed words holding a lane's 8 values
   constexpr unsigned QMASK = (1u << BITS) - 1u;
   static_assert(GS % 8 == 0 && D % GS == 0, "a lane's 8 values lie in one quantisation group");
 
-  const int split = BLOCK_X;
-  const int nsplit = GRID_X;
-  static_assert(GB >= 1 && G % GB == 0, "GB (query heads per block) must divide G");
-  constexpr int NSUB = G / GB;
-  const int hk = BLOCK_Y / NSUB;
-  const int g0 = (BLOCK_Y % NSUB) * GB;   // this block's first head within the kv head's group
-  const int h0 = hk * G + g0;             // ... and within all H
-  const int bl = BLOCK_Z;
-  const int b = bl / L, l = bl % L;
 #ifdef AT_OFFSET
   const int n = off[0] + l + 1;
 #elif CAUSAL

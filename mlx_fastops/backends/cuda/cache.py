@@ -36,6 +36,40 @@ class _WrittenInPlace:
         (the writer's kernel takes it as an input, so it waits for it), else the keys again."""
         return self.keys, self.values, self.keys if self.last_reader is None else self.last_reader
 
+    def position(self):
+        """Where the fast path writes the next token (every row)."""
+        return self.offset
+
+    def advance(self, L, reader):
+        """After the fast path wrote L tokens: `reader` is the new last reader."""
+        self.offset += L
+        self.last_reader = reader
+
+    def _slots_for(self, keys):
+        """Room for keys' [B, n_kv, L, D] new positions at `offset`, with the fast path's pending
+        writes done, counted in: -> (their first position, end)."""
+        B, n_kv, L, D = keys.shape
+        prev = self.offset
+        self.reserve(B, n_kv, D, keys.dtype, prev + L)
+        self._ordered()
+        self.offset = prev + L
+        return prev, prev + L
+
+
+def _ordered_state(base):
+    """base's `state` property (save_prompt_cache and mlx-lm's prefill read it), after the fast
+    path's pending writes."""
+
+    def get(self):
+        self._ordered()
+        return base.state.fget(self)
+
+    def put(self, v):
+        self._ordered()
+        base.state.fset(self, v)
+
+    return property(get, put)
+
 
 class StaticKVCache(_WrittenInPlace, KVCache):
     """KVCache whose buffers grow in big steps and are written in place by the fast decode path.
@@ -46,10 +80,6 @@ class StaticKVCache(_WrittenInPlace, KVCache):
     """
 
     step = 1024
-
-    def position(self):
-        """Where the fast path writes the next token (every row)."""
-        return self.offset
 
     def takes(self, B, n_kv, D, dtype):
         """Whether the fast path can decode B rows over this cache (reserve adapts the buffers)."""
@@ -69,31 +99,13 @@ class StaticKVCache(_WrittenInPlace, KVCache):
             nv[..., : self.offset, :] = self.values[..., : self.offset, :]
         self.keys, self.values = nk, nv
 
-    def advance(self, L, reader):
-        """After the fast path wrote L tokens: `reader` is the new last reader."""
-        self.offset += L
-        self.last_reader = reader
-
     def update_and_fetch(self, keys, values):
-        B, n_kv, L, D = keys.shape
-        prev = self.offset
-        self.reserve(B, n_kv, D, keys.dtype, prev + L)
-        self._ordered()
-        self.offset += L
-        self.keys[..., prev : self.offset, :] = keys
-        self.values[..., prev : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        prev, end = self._slots_for(keys)
+        self.keys[..., prev:end, :] = keys
+        self.values[..., prev:end, :] = values
+        return self.keys[..., :end, :], self.values[..., :end, :]
 
-    @property
-    def state(self):
-        # save_prompt_cache and mlx-lm's prefill read it: after the fast path's pending writes
-        self._ordered()
-        return KVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
-        self._ordered()
-        KVCache.state.fset(self, v)
+    state = _ordered_state(KVCache)
 
     def to_quantized(self, group_size=64, bits=4):
         """mlx-lm's conversion to a QuantizedKVCache (generate_step's kv_bits), of the buffers as
@@ -123,9 +135,6 @@ class StaticQuantizedKVCache(_WrittenInPlace, QuantizedKVCache):
     `update_and_fetch` as QuantizedKVCache does (mx.quantize, slice assignment)."""
 
     step = StaticKVCache.step
-
-    def position(self):
-        return self.offset
 
     def takes(self, B, n_kv, D, dtype):
         """Whether the one-launch layer can decode B rows over this cache (4/8 bits, groups of
@@ -160,34 +169,18 @@ class StaticQuantizedKVCache(_WrittenInPlace, QuantizedKVCache):
         after = self.keys[1] if self.last_reader is None else self.last_reader
         return (*self.keys, *self.values, after)
 
-    def advance(self, L, reader):
-        self.offset += L
-        self.last_reader = reader
-
     def update_and_fetch(self, keys, values):
-        B, n_kv, L, D = keys.shape
-        prev = self.offset
-        self.reserve(B, n_kv, D, keys.dtype, prev + L)
-        self._ordered()
-        self.offset += L
+        prev, end = self._slots_for(keys)
         for buf, new in ((self.keys, keys), (self.values, values)):
             for b, q in zip(buf, mx.quantize(new, group_size=self.group_size, bits=self.bits)):
-                b[..., prev : self.offset, :] = q
+                b[..., prev:end, :] = q
         return self.keys_and_values()
 
     def keys_and_values(self):
         self._ordered()
         return tuple(tuple(a[..., : self.offset, :] for a in t) for t in (self.keys, self.values))
 
-    @property
-    def state(self):
-        self._ordered()
-        return QuantizedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
-        self._ordered()
-        QuantizedKVCache.state.fset(self, v)
+    state = _ordered_state(QuantizedKVCache)
 
 
 class StaticBatchKVCache(_WrittenInPlace, BatchKVCache):
