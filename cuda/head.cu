@@ -4,9 +4,9 @@
 // grid (H + 2 HKV, B * L).
 //
 // Defines: T, L, H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
-// ROPE_SCALE, [LEFT_PAD].
-// Inputs: qkv [B * L, (H + 2 HKV) * D] (T-rounded, bias added), [qn, kn], off, [lp], [rf], kc, vc,
-// after (the cache buffers' last reader: an input only so that this launch waits for it).
+// ROPE_SCALE, [LEFT_PAD], [KV_BITS, KV_GS: a quantised cache].
+// Inputs: qkv [B * L, (H + 2 HKV) * D] (T-rounded, bias added), [qn, kn], off, [lp], [rf], kc, vc
+// (KV_BITS: k_w, k_s, k_b, v_w, v_s, v_b), after (the cache buffers' last reader: an input only so that this launch waits for it).
 // Output: yq [B, L, H, D].
 
   constexpr int M = 1, NW = 1, N = (H + 2 * HKV) * D;

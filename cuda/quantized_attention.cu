@@ -52,6 +52,7 @@
   {
     auto span = [&](const auto* a, const auto& st, int row_bytes) {
       const char* p0 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + start * st[2]);
+      p0 -= reinterpret_cast<unsigned long long>(p0) & 127;   // from the first row's line
       const char* p1 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + (end - 1) * st[2]) + row_bytes;
       for (const char* p = p0 + tid * 128; p < p1; p += NW * 32 * 128) prefetch_l2(p);
     };
@@ -86,8 +87,8 @@
   const T* vsp = v_s + b * v_s_strides[0] + hk * v_s_strides[1] + d0 / GS;
   const T* vbp = v_b + b * v_b_strides[0] + hk * v_b_strides[1] + d0 / GS;
   // The next position's packed words, scales and biases are loaded before this one is used (two
-  // rows in flight in registers; an unrolled loop held their dequantised floats too: the layer
-  // launch went from 127 to 159 registers, 3 blocks per SM instead of 4).
+  // rows in flight in registers; an unrolled loop, which held their dequantised floats too, took
+  // the Qwen3-4B kv8 layer launch to 159 registers, 3 blocks per SM; this loop: 127, 4 per SM).
   unsigned nk[WPL], nv[WPL];
   T ns[4];
   auto load = [&](int p) {

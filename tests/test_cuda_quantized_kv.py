@@ -102,15 +102,16 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("name,L,bits,group", [("qwen3-tiny", 1, 8, 64), ("llama-tiny", 3, 4, 32),
-                                               ("qwen3-tiny", 2, 4, 64)])
-def test_one_launch_layer_over_a_quantized_cache(name, L, bits, group, on_gpu, monkeypatch):
+@pytest.mark.parametrize("name,B,L,bits,group", [("qwen3-tiny", 1, 1, 8, 64), ("llama-tiny", 1, 3, 4, 32),
+                                                 ("qwen3-tiny", 2, 1, 4, 64), ("llama-tiny", 2, 4, 8, 32)])
+def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu, monkeypatch):
     """One layer's launch (fb.core) over a quantised cache of P positions: the new k/v rows it packs
     are the rows the same launch writes into a float cache, quantised as mx.quantize does on CUDA
     (quantize_as_cuda), bit for bit; the other positions untouched; its output no further from the
     block evaluated in float32 over mlx-lm's QuantizedKVCache holding the same positions (which
     quantises the new rows with mx.quantize) than the stock bf16 block over it. Again with
-    attention blocks of every query head of a kv head: bit for bit."""
+    attention blocks of another number of query heads (all G, or 1 where the default takes all):
+    bit for bit."""
     from test_cuda_head import quantize_as_cuda
 
     from mlx_fastops.backends.cuda.source import offset_array
@@ -122,9 +123,9 @@ def test_one_launch_layer_over_a_quantized_cache(name, L, bits, group, on_gpu, m
     try:
         fb = model.model.layers[0].fast_fn
         P, S = 70, 128
-        rows = [mx.random.normal((1, fb.HKV, S, fb.D)).astype(mx.bfloat16) for _ in range(2)]
+        rows = [mx.random.normal((B, fb.HKV, S, fb.D)).astype(mx.bfloat16) for _ in range(2)]
         quantized = [mx.quantize(r, group_size=group, bits=bits) for r in rows]
-        x = mx.random.normal((1, L, model.args.hidden_size)).astype(mx.bfloat16)
+        x = mx.random.normal((B, L, model.args.hidden_size)).astype(mx.bfloat16)
 
         def run_quantized():
             bufs = [a + 0 for t in quantized for a in t]
@@ -135,7 +136,7 @@ def test_one_launch_layer_over_a_quantized_cache(name, L, bits, group, on_gpu, m
 
         out_q, bufs = run_quantized()
         G_ = fb.H // fb.HKV
-        fb.gb, gb = G_, fb.gb
+        fb.gb, gb = (G_ if G_ != fb.gb else 1), fb.gb
         variant = run_quantized()
         fb.gb = gb
         kc, vc = (mx.dequantize(*t, group_size=group, bits=bits) for t in quantized)
@@ -160,5 +161,5 @@ def test_one_launch_layer_over_a_quantized_cache(name, L, bits, group, on_gpu, m
         with mx.stream(mx.cpu):   # stock's quantised attention has no CUDA kernel for these shapes
             ref.append(blk(x.astype(dt), mask="causal" if L > 1 else None, cache=cache))
             mx.eval(ref[-1])
-    print(f"{name} L={L} kv_bits={bits}: vs float32 patched {_rel(out_q, ref[0]):.2e}, stock {_rel(ref[1], ref[0]):.2e}")
+    print(f"{name} B={B} L={L} kv_bits={bits}: vs float32 patched {_rel(out_q, ref[0]):.2e}, stock {_rel(ref[1], ref[0]):.2e}")
     assert _rel(out_q, ref[0]) <= max(1.1 * _rel(ref[1], ref[0]), 1e-2)

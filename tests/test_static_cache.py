@@ -166,7 +166,7 @@ QUANTIZED_TAKES = [
     (5, 1, 2, 64, mx.bfloat16, 8, 64, True),
     (5, 8, 2, 64, mx.bfloat16, 4, 32, True),
     (0, 1, 2, 64, mx.bfloat16, 8, 64, True),    # empty: its buffers are made on the first step
-    (5, 9, 2, 64, mx.bfloat16, 8, 64, False),   # more rows than the one-launch layer's
+    (0, 9, 2, 64, mx.bfloat16, 8, 64, False),   # more rows than the one-launch layer's
     (5, 1, 3, 64, mx.bfloat16, 8, 64, False),   # other kv heads than the buffers'
     (5, 1, 2, 128, mx.bfloat16, 8, 64, False),  # another head dim
     (5, 1, 2, 64, mx.float16, 8, 64, False),    # scales in another dtype
@@ -178,7 +178,7 @@ QUANTIZED_TAKES = [
 def test_static_quantized_cache_takes(tokens, B, n_kv, D, dtype, bits, group, takes):
     c = StaticKVCache()
     if tokens:
-        k = mx.random.normal((1 if B > 8 else B, 2, tokens, 64)).astype(mx.bfloat16)
+        k = mx.random.normal((B, 2, tokens, 64)).astype(mx.bfloat16)
         c.update_and_fetch(k, k)
     q = c.to_quantized(group_size=group, bits=bits)
     assert q.takes(B, n_kv, D, dtype) is takes
@@ -199,3 +199,22 @@ def test_static_quantized_cache_saves_and_loads(tmp_path):
     for a, b in zip(loaded.keys_and_values(), q.keys_and_values()):
         for x, y in zip(a, b):
             assert mx.array_equal(x, y)
+
+
+def test_the_compiled_step_takes_one_quantised_format():
+    """Layers sharing a launch share its cache format: caches of two formats (each one the fast
+    path takes) go to the composed ops."""
+    from types import SimpleNamespace
+
+    from mlx_fastops.backends.cuda.step import _fast_caches
+
+    fb = SimpleNamespace(HKV=2, D=64, dtype=mx.bfloat16)
+
+    def converted(bits, group):
+        c = StaticKVCache()
+        k = mx.random.normal((1, 2, 5, 64)).astype(mx.bfloat16)
+        c.update_and_fetch(k, k)
+        return c.to_quantized(group_size=group, bits=bits)
+
+    assert _fast_caches([fb, fb], [converted(8, 64), converted(8, 64)], 1)
+    assert not _fast_caches([fb, fb], [converted(8, 64), converted(4, 32)], 1)

@@ -147,8 +147,11 @@ class StaticQuantizedKVCache(_WrittenInPlace, QuantizedKVCache):
                              and k[1].dtype == dtype and self.values[0].shape == k[0].shape)
 
     def reserve(self, B, n_kv, D, dtype, needed):
-        """Buffers of at least `needed` positions (takes() holds: the same B, n_kv, D, dtype)."""
-        if self.keys is not None and self.keys[0].shape[2] >= needed:
+        """Buffers of at least `needed` positions for B rows of n_kv heads of D values (new ones,
+        holding the positions so far, where the present ones differ in any of these)."""
+        k = self.keys
+        if k is not None and k[0].shape[2] >= needed and k[0].shape[:2] == (B, n_kv) \
+                and k[0].shape[3] * 32 == D * self.bits and k[1].dtype == dtype:
             return
         self._ordered()
         S = -(-needed // self.step) * self.step

@@ -48,8 +48,8 @@ def _head_build(dtype, head_items):
 
 
 def head_rows(qkv, head_items, arrays):
-    """qkv [B, L, (H + 2 Hkv) * D] (contiguous) -> q [B, L, H, D]; writes k/v into arrays["kc"] /
-    arrays["vc"] at off[0] + l. head_items: a FastBlock's head description + ("L", L) (+ ("lpad",
+    """qkv [B, L, (H + 2 Hkv) * D] (contiguous) -> q [B, L, H, D]; writes k/v into the cache arrays
+    (cache_inputs(head): arrays["kc"] / arrays["vc"], or a quantised cache's) at off[0] + l. head_items: a FastBlock's head description + ("L", L) (+ ("lpad",
     True) over a batch cache); arrays: the other inputs of head_inputs by name."""
     head = dict(head_items)
     B, L, _ = qkv.shape

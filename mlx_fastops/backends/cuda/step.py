@@ -76,8 +76,10 @@ def _fast_caches(blocks, cache, B):
     if kind not in (StaticKVCache, StaticQuantizedKVCache, StaticBatchKVCache) or len(cache) != len(blocks):
         return False
     pos = cache[0].position()
-    return all(type(c) is kind and c.position() == pos and c.takes(B, fb.HKV, fb.D, fb.dtype)
-               for c, fb in zip(cache, blocks))
+    # one quantised format for all: a launch of several layers takes its format from the first
+    fmt = lambda c: (c.bits, c.group_size) if kind is StaticQuantizedKVCache else None
+    return all(type(c) is kind and c.position() == pos and fmt(c) == fmt(cache[0])
+               and c.takes(B, fb.HKV, fb.D, fb.dtype) for c, fb in zip(cache, blocks))
 
 
 class _Step:
@@ -144,7 +146,7 @@ def _compile_step(model, fasts, wide):
     first_wide = max(fb.wide_from for fb in fasts) if max_rows > MAX_ROWS else MAX_ROWS + 1
 
     def step(tokens, off, *bufs):
-        # bufs: (keys, values, after) per layer, or over batch caches also their left padding
+        # bufs: per layer its cache's fast_inputs() (layer.layers_launch)
         per = len(bufs) // len(fasts)
         layer_bufs = [bufs[per * k:per * k + per] for k in range(len(fasts))]
         h = embed(tokens)
