@@ -163,3 +163,38 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
             mx.eval(ref[-1])
     print(f"{name} B={B} L={L} kv_bits={bits}: vs float32 patched {_rel(out_q, ref[0]):.2e}, stock {_rel(ref[1], ref[0]):.2e}")
     assert _rel(out_q, ref[0]) <= max(1.1 * _rel(ref[1], ref[0]), 1e-2)
+
+
+@pytest.mark.parametrize("backend", ["cuda"], indirect=True)
+def test_trimmed_quantized_cache_decodes_as_a_fresh_one(backend, monkeypatch):
+    """Speculative decoding's rejection: steps over the converted cache, trim(2), two other tokens:
+    the same logits, bit for bit, as a cache that never held the rejected two (the fast path
+    attends up to its offset and overwrites the stale rows)."""
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=7)
+    prompt = mx.random.randint(0, model.args.vocab_size, (1, 20), key=mx.random.key(7))
+    steps = [[5], [9], [11], [13]]
+    mlx_fastops.patch(model, disable=() if mx.cuda.is_available() else ("compile",))
+    try:
+        def run(tokens, trim_after=None):
+            cache = make_prompt_cache(model)
+            model(prompt, cache=cache)
+            cache = [c.to_quantized(group_size=64, bits=8) for c in cache]
+            assert all(type(c) is StaticQuantizedKVCache for c in cache)
+            out = []
+            for i, t in enumerate(tokens):
+                out.append(model(mx.array([t]), cache=cache)[0, -1])
+                mx.eval(out[-1])
+                if i == trim_after:
+                    assert all(c.trim(2) == 2 for c in cache)
+                    out = out[:-2]
+            assert all(c.last_reader is not None for c in cache)   # the fast path wrote the last rows
+            return out
+
+        trimmed = run(steps + [[17], [19]], trim_after=3)
+        fresh = run(steps[:2] + [[17], [19]])
+    finally:
+        mlx_fastops.unpatch(model)
+    assert len(trimmed) == len(fresh) == 4
+    for a, b in zip(trimmed, fresh):
+        assert mx.array_equal(a, b)
