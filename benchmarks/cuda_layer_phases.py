@@ -54,7 +54,7 @@ def phase_bytes(fb, batch, ctx):
     return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
 
 
-def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1):
+def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1, stages=(None,)):
     import mlx.core as mx
     import numpy as np
 
@@ -77,7 +77,10 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     out = []
     default_target, default_resident = attention.ATTN_TARGET_BLOCKS, gemv.RESIDENT_BLOCKS
     try:
-        for target, resident, n in [(t, r, n) for t in attn_blocks for r in residents for n in nlayers]:
+        for sb, target, resident, n in [(g, t, r, n) for g in stages for t in attn_blocks for r in residents for n in nlayers]:
+            if sb is not None and sb != gemv.STAGE_MAX_BYTES:
+                gemv.STAGE_MAX_BYTES = sb
+                kernels.clear_builders()
             attention.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads * head subgroups))
             if (resident or default_resident) != gemv.RESIDENT_BLOCKS:
                 gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
@@ -104,7 +107,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                               "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
                               "end_us": end, "time_us": t,
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
-            out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
+            out.append({"model": name, "stage_bytes": gemv.STAGE_MAX_BYTES, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                         "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
@@ -128,10 +131,10 @@ def markdown(results, meta):
                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         off = ",".join(r["disabled"]) or "-"
-        summary.append(f"| {r['model']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
+        summary.append(f"| {r['model']} B{r['batch']} stage {r.get('stage_bytes')} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
                        f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} | "
                        f"{r['resident_max']} ({r['resident_per_sm_max']}, {r['sms']}) |")
-        lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
+        lines += [f"## {r['model']} stage {r.get('stage_bytes')}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
                   f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
                   f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}: "
                   f"{r['total_us']:.1f} us", "",
@@ -163,6 +166,8 @@ def main():
     ap.add_argument("--disable", action="append", default=None,
                     help="comma-separated switches (mlx_fastops.FUSIONS) to patch without; repeatable: "
                          "one set of tables each ('' for the defaults)")
+    ap.add_argument("--stage-bytes", default="", help="branch experiment: gemv.STAGE_MAX_BYTES values")
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/cuda_layer_phases", help="writes OUT.md and OUT.json")
     a = ap.parse_args()
     if not mx.cuda.is_available():
@@ -173,7 +178,8 @@ def main():
     targets = [int(t) for t in a.attn_blocks.split(",")]
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
     results = [r for name in a.models.split(",") for d in (a.disable or [""])
-               for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents)]
+               for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents,
+                                a.batch, [int(g) for g in a.stage_bytes.split(",") if g] or [None])]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

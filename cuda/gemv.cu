@@ -19,11 +19,13 @@
 // Optional input RMSNorm (HAS_NORM): x <- T(T(x * rsqrt(mean(x^2) + eps)) * nw), exactly the
 // rounding points of mx.fast.rms_norm, computed per block (every block reads all of x anyway).
 //
-// Staged x (XK = K, a define, when M * K floats fit): the block converts (and normalizes) x once
-// into its dynamic shared memory (the wrapper's x_stage_bytes), with each lane-step's x-sum;
-// otherwise every warp converts (and normalizes) its lanes' slices at every k-step: NW times per
-// block, at 2 (with the norm ~9) instructions per element, as many as the dot products of 1 (4)
-// weight rows. Same values and summation order either way.
+// Staged x (XK = K, a define, where it fits): the block converts (and normalizes) x once into its
+// dynamic shared memory (the wrapper's x_stage_bytes), with each lane-step's x-sum; otherwise
+// every warp converts (and normalizes) its lanes' slices at every k-step: NW times per block, at 2
+// (with the norm ~9) instructions per element, as many as the dot products of 1 (4) weight rows.
+// Staged as floats where M * K floats fit in 16 KB (x preloaded into registers, one round trip),
+// else (XT) as T values, half the bytes, converted at each k-step: every normalized element is a
+// T already (the norm's last rounding). Same values and summation order every way.
 //
 // Epilogues (EPI):
 //   0 plain      y[m, n] = T(acc)                     (+ bias: T(T(acc) + bias[n]))
@@ -48,7 +50,7 @@
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
-// NW, VEC, EPI, XK, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for
+// NW, VEC, EPI, XK, XT, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE, [LEFT_PAD]. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -124,11 +126,12 @@
 #endif
 
 #if XK
-  // Staged x: this thread's chunks of x (and nw) are loaded first (at most 32 elements each:
-  // M * XK <= 32 * 128), beside the norm's sum-of-squares loads, whose loop then has a
-  // compile-time bound: one round trip.
   static_assert(sizeof(T) == 2, "x is staged for 2-byte types (4 elements per 8-byte load)");
   constexpr int NCH = XK / EPW;                               // chunks (lane-steps) per row
+#if !XT
+  // Staged as floats: this thread's chunks of x (and nw) are loaded first (at most 32 elements
+  // each: M * XK <= 32 * 128), beside the norm's sum-of-squares loads, whose loop then has a
+  // compile-time bound: one round trip.
   constexpr int CPT = (M * NCH + NW * 32 - 1) / (NW * 32);    // chunks per thread
   uint2 cx[CPT][EPW / 4];
 #if HAS_NORM
@@ -148,6 +151,7 @@
       }
     }
   }
+#endif
   constexpr int KN = XK;
 #else
   const int KN = K;
@@ -197,41 +201,66 @@
 #endif
 #if XK
   // Stage x (normalized): chunk ch (EPW elements, one lane-step) of row m is stored as EPW/4
-  // float4s, s_x4[(m * EPW/4 + j) * NCH + ch], so lanes reading consecutive chunks hit
-  // consecutive 16 bytes (no bank conflicts), and its sum in s_xsum[m * NCH + ch].
+  // float4s s_x4[(m * EPW/4 + j) * NCH + ch] (XT: 4 T values s_xt[...], 8 bytes), so lanes reading
+  // consecutive chunks hit consecutive bytes (no bank conflicts), and its sum in s_xsum[m * NCH + ch].
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
   float4* const s_x4 = s_stage;
-  float* const s_xsum = reinterpret_cast<float*>(s_stage + M * XK / 4);
+  uint2* const s_xt = reinterpret_cast<uint2*>(s_stage);
+  float* const s_xsum = reinterpret_cast<float*>(s_stage) + (XT ? M * XK / 2 : M * XK);
+  // chunk c from its 4-element words of x (and nw)
+  auto stage_chunk = [&](int c, const uint2* wx, const uint2* wn) {
+    const int m = c / NCH, ch = c % NCH;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < EPW / 4; ++j) {
+      alignas(8) T tmp[4];
+      *reinterpret_cast<uint2*>(tmp) = wx[j];
+#if HAS_NORM
+      alignas(8) T nwt[4];
+      *reinterpret_cast<uint2*>(nwt) = wn[j];
+#endif
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+#if HAS_NORM
+        const T nv = static_cast<T>(static_cast<float>(tmp[e]) * s_inv[m]);
+        tmp[e] = static_cast<T>(static_cast<float>(nwt[e]) * static_cast<float>(nv));
+#endif
+        v[e] = static_cast<float>(tmp[e]);
+        sum += v[e];
+      }
+#if XT
+      s_xt[(m * (EPW / 4) + j) * NCH + ch] = *reinterpret_cast<const uint2*>(tmp);
+#else
+      s_x4[(m * (EPW / 4) + j) * NCH + ch] = make_float4(v[0], v[1], v[2], v[3]);
+#endif
+    }
+    s_xsum[c] = sum;
+  };
+#if XT
+  for (int c = threadIdx.x; c < M * NCH; c += NW * 32) {
+    const int m = c / NCH, ch = c % NCH;
+    uint2 wx[EPW / 4], wn[EPW / 4];
+#pragma unroll
+    for (int j = 0; j < EPW / 4; ++j) {
+      wx[j] = *reinterpret_cast<const uint2*>(x + (size_t)m * XK + ch * EPW + 4 * j);
+#if HAS_NORM
+      wn[j] = *reinterpret_cast<const uint2*>(nw + ch * EPW + 4 * j);
+#endif
+    }
+    stage_chunk(c, wx, wn);
+  }
+#else
 #pragma unroll
   for (int i = 0; i < CPT; ++i) {
     const int c = threadIdx.x + i * NW * 32;
-    if (c < M * NCH) {
-      const int m = c / NCH, ch = c % NCH;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < EPW / 4; ++j) {
-        alignas(8) T tmp[4];
-        *reinterpret_cast<uint2*>(tmp) = cx[i][j];
 #if HAS_NORM
-        alignas(8) T nwt[4];
-        *reinterpret_cast<uint2*>(nwt) = cn[i][j];
-#endif
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-#if HAS_NORM
-          const T nv = static_cast<T>(static_cast<float>(tmp[e]) * s_inv[m]);
-          v[e] = static_cast<float>(static_cast<T>(static_cast<float>(nwt[e]) * static_cast<float>(nv)));
+    if (c < M * NCH) stage_chunk(c, cx[i], cn[i]);
 #else
-          v[e] = static_cast<float>(tmp[e]);
+    if (c < M * NCH) stage_chunk(c, cx[i], nullptr);
 #endif
-          sum += v[e];
-        }
-        s_x4[(m * (EPW / 4) + j) * NCH + ch] = make_float4(v[0], v[1], v[2], v[3]);
-      }
-      s_xsum[c] = sum;
-    }
   }
+#endif
   __syncthreads();
 #endif
 
@@ -274,8 +303,15 @@
         const int ch = k0 / EPW;
 #pragma unroll
         for (int j = 0; j < EPW / 4; ++j) {
+#if XT
+          alignas(8) T t4[4];
+          *reinterpret_cast<uint2*>(t4) = s_xt[(m * (EPW / 4) + j) * NCH + ch];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xf[m][4 * j + e] = static_cast<float>(t4[e]);
+#else
           const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
           xf[m][4 * j] = t.x; xf[m][4 * j + 1] = t.y; xf[m][4 * j + 2] = t.z; xf[m][4 * j + 3] = t.w;
+#endif
         }
         sx[m] = s_xsum[m * NCH + ch];
       }
