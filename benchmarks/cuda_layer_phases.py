@@ -107,7 +107,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                               "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
                               "end_us": end, "time_us": t,
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
-            out.append({"model": name, "stage_bytes": gemv.STAGE_MAX_BYTES, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
+            out.append({"model": name, "stage_bytes": getattr(gemv, "STAGE_MAX_BYTES", None), "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                         "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],

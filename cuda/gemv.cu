@@ -294,78 +294,83 @@
       }
       if (k0 + KSTEP < K) load_w(k0 + KSTEP);   // next step in flight
 
-      // activations: EPW values per row, 16-byte loads
-      float xf[M][EPW];
+      // One word (WE k) of every weight row at a time, with x of those k only: the registers of x
+      // are M * WE, not M * EPW, whatever VEC. Per row and activation the products are added in k
+      // order, as are the x-sums.
+      constexpr int WE = BITS == 4 ? 8 : 4;   // k per uint32 word
       float sx[M];
+      float d[RR][M];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+#if XK
+        sx[m] = s_xsum[m * NCH + k0 / EPW];
+#else
+        sx[m] = 0.f;
+#endif
+#pragma unroll
+        for (int r = 0; r < RR; ++r) d[r][m] = 0.f;
+      }
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float xf[M][WE];
 #if XK
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const int ch = k0 / EPW;
+        for (int m = 0; m < M; ++m) {
+          const int ch = k0 / EPW;
 #pragma unroll
-        for (int j = 0; j < EPW / 4; ++j) {
+          for (int jj = 0; jj < WE / 4; ++jj) {
+            const int j = v * (WE / 4) + jj;   // the word's 4-element parts within the lane-step
 #if XT
-          alignas(8) T t4[4];
-          *reinterpret_cast<uint2*>(t4) = s_xt[(m * (EPW / 4) + j) * NCH + ch];
+            alignas(8) T t4[4];
+            *reinterpret_cast<uint2*>(t4) = s_xt[(m * (EPW / 4) + j) * NCH + ch];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) xf[m][4 * j + e] = static_cast<float>(t4[e]);
+            for (int e = 0; e < 4; ++e) xf[m][4 * jj + e] = static_cast<float>(t4[e]);
 #else
-          const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
-          xf[m][4 * j] = t.x; xf[m][4 * j + 1] = t.y; xf[m][4 * j + 2] = t.z; xf[m][4 * j + 3] = t.w;
-#endif
-        }
-        sx[m] = s_xsum[m * NCH + ch];
-      }
-#else
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const T* xp = x + (size_t)m * K + k0;
-        constexpr int PER = 16 / (int)sizeof(T);
-        constexpr int XV = PER < EPW ? PER : EPW;      // elements per x load
-        sx[m] = 0.f;
-#pragma unroll
-        for (int c = 0; c < EPW; c += XV) {
-          alignas(16) T tmp[XV];
-#if HAS_NORM
-          alignas(16) T nwt[XV];
-#endif
-          if constexpr (XV * sizeof(T) == 16) {
-            *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(xp + c);
-#if HAS_NORM
-            *reinterpret_cast<uint4*>(nwt) = *reinterpret_cast<const uint4*>(nw + k0 + c);
-#endif
-          } else if constexpr (XV * sizeof(T) == 8) {
-            *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(xp + c);
-#if HAS_NORM
-            *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + k0 + c);
-#endif
-          } else {
-            *reinterpret_cast<uint32_t*>(tmp) = *reinterpret_cast<const uint32_t*>(xp + c);
-#if HAS_NORM
-            *reinterpret_cast<uint32_t*>(nwt) = *reinterpret_cast<const uint32_t*>(nw + k0 + c);
+            const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
+            xf[m][4 * jj] = t.x; xf[m][4 * jj + 1] = t.y; xf[m][4 * jj + 2] = t.z; xf[m][4 * jj + 3] = t.w;
 #endif
           }
-#pragma unroll
-          for (int j = 0; j < XV; ++j) {
-#if HAS_NORM
-            const T nv = static_cast<T>(static_cast<float>(tmp[j]) * s_inv[m]);
-            const float v = static_cast<float>(static_cast<T>(static_cast<float>(nwt[j]) * static_cast<float>(nv)));
+        }
 #else
-            const float v = static_cast<float>(tmp[j]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const T* xp = x + (size_t)m * K + k0 + v * WE;
+          constexpr int PER = 16 / (int)sizeof(T);
+          constexpr int XV = PER < WE ? PER : WE;      // elements per x load
+#pragma unroll
+          for (int c = 0; c < WE; c += XV) {
+            alignas(16) T tmp[XV];
+#if HAS_NORM
+            alignas(16) T nwt[XV];
 #endif
-            xf[m][c + j] = v;
-            sx[m] += v;
+            if constexpr (XV * sizeof(T) == 16) {
+              *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(xp + c);
+#if HAS_NORM
+              *reinterpret_cast<uint4*>(nwt) = *reinterpret_cast<const uint4*>(nw + k0 + v * WE + c);
+#endif
+            } else {
+              *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(xp + c);
+#if HAS_NORM
+              *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + k0 + v * WE + c);
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < XV; ++j) {
+#if HAS_NORM
+              const T nv = static_cast<T>(static_cast<float>(tmp[j]) * s_inv[m]);
+              const float e = static_cast<float>(static_cast<T>(static_cast<float>(nwt[j]) * static_cast<float>(nv)));
+#else
+              const float e = static_cast<float>(tmp[j]);
+#endif
+              xf[m][c + j] = e;
+              sx[m] += e;
+            }
           }
         }
-      }
 #endif
-      // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (see the top)
+        // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (see the top)
 #pragma unroll
-      for (int r = 0; r < RR; ++r) {
-        float d[M];
-#pragma unroll
-        for (int m = 0; m < M; ++m) d[m] = 0.f;
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) {
+        for (int r = 0; r < RR; ++r) {
           const uint32_t wd = cw[r][v];
           if constexpr (BITS == 4) {
             const uint32_t lo = (wd << 3) & 0x78787878u;   // even elements, at bits 3-6 of each byte
@@ -376,8 +381,8 @@
               const float q1 = __int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044 + (j << 8)));
 #pragma unroll
               for (int m = 0; m < M; ++m) {
-                d[m] = fmaf(xf[m][v * 8 + 2 * j], q0, d[m]);
-                d[m] = fmaf(xf[m][v * 8 + 2 * j + 1], q1, d[m]);
+                d[r][m] = fmaf(xf[m][2 * j], q0, d[r][m]);
+                d[r][m] = fmaf(xf[m][2 * j + 1], q1, d[r][m]);
               }
             }
           } else {
@@ -385,16 +390,18 @@
             for (int j = 0; j < 4; ++j) {
               const float q0 = __int_as_float(__byte_perm(wd, 0x4B000000u, 0x7540 + j)) - 8388608.f;
 #pragma unroll
-              for (int m = 0; m < M; ++m) d[m] = fmaf(xf[m][v * 4 + j], q0, d[m]);
+              for (int m = 0; m < M; ++m) d[r][m] = fmaf(xf[m][j], q0, d[r][m]);
             }
           }
         }
+      }
+#pragma unroll
+      for (int r = 0; r < RR; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          const float dq = (BITS == 4) ? fmaf(32.f, d[m], -16.f * sx[m]) : d[m];
+          const float dq = (BITS == 4) ? fmaf(32.f, d[r][m], -16.f * sx[m]) : d[r][m];
           acc[r][m] += cs[r] * dq + cb[r] * sx[m];
         }
-      }
     }
 
     // ---- warp reduction; lane r*M + m stores (row r, activation m) ----

@@ -22,7 +22,7 @@ from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
 RESIDENT_BLOCKS = 4 * 132
 ONE_WAVE_MIN_K = 2048   # rows this long take more rows per warp rather than a second wave
-ACCUMULATORS_MAX = 16   # per lane: weight rows per warp x activation rows (gemv_config)
+ACCUMULATORS_MAX = 8   # per lane, beyond one row: weight rows per warp x activation rows (gemv_config)
 
 
 def lane_elems(bits, vec):
@@ -38,10 +38,12 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
     whose blocks must tile a head), and (one_wave: the phases of the one-launch layer) 2 or 4 where
     fewer would leave a second wave of blocks with long rows (K >= ONE_WAVE_MIN_K) to run after the
     first: Qwen3-4B o_proj/down 640 -> 320 blocks, Qwen3-4B/8B QKV 768 -> 384. At most 4 weight rows
-    per warp (gate/up: 2 gate + 2 up), as many as gate/up already holds, and at most 16 accumulators
-    (weight rows x activation rows): from 5 rows on 2 weight rows per warp (Qwen3-4B/8B gate/up at
-    8 rows: 178 -> 127 registers, QKV 180 -> 127, offline ptxas; more would leave 2 blocks per SM)."""
-    VEC = 4 if M == 1 else (2 if M == 2 else 1)
+    per warp (gate/up: 2 gate + 2 up), as many as gate/up already holds, and at most
+    ACCUMULATORS_MAX (weight rows x activation rows) beyond that. A lane loads 16 bytes of each
+    row per k-step up to 2 rows, 8 up to 4, then 4: each k-step holds the weights of two steps and
+    the accumulators, so longer steps take fewer rows per warp (Qwen3-4B/8B layer launches at 4
+    and 8 rows: 144 / 205 -> 105 / 128 registers, offline ptxas, 4 blocks per SM)."""
+    VEC = 4 if M <= 2 else (2 if M <= 4 else 1)
     while VEC > 1 and K % lane_elems(bits, VEC):
         VEC //= 2
     nout = N // 2 if epi == 2 else N
