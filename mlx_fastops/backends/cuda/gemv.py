@@ -22,7 +22,7 @@ from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
 RESIDENT_BLOCKS = 4 * 132
 ONE_WAVE_MIN_K = 2048   # rows this long take more rows per warp rather than a second wave
-ACCUMULATORS_MAX = 8   # per lane, beyond one row: weight rows per warp x activation rows (gemv_config)
+ACCUMULATORS_MAX = 8   # per lane, beside 8- or 16-byte loads of 2-4 rows: weight rows per warp x rows
 
 
 def lane_elems(bits, vec):
@@ -38,17 +38,19 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
     whose blocks must tile a head), and (one_wave: the phases of the one-launch layer) 2 or 4 where
     fewer would leave a second wave of blocks with long rows (K >= ONE_WAVE_MIN_K) to run after the
     first: Qwen3-4B o_proj/down 640 -> 320 blocks, Qwen3-4B/8B QKV 768 -> 384. At most 4 weight rows
-    per warp (gate/up: 2 gate + 2 up), as many as gate/up already holds, and at most
-    ACCUMULATORS_MAX (weight rows x activation rows) beyond that. A lane loads 16 bytes of each
-    row per k-step up to 2 rows, 8 up to 4, then 4: each k-step holds the weights of two steps and
-    the accumulators, so longer steps take fewer rows per warp (Qwen3-4B/8B layer launches at 4
-    and 8 rows: 144 / 205 -> 105 / 128 registers, offline ptxas, 4 blocks per SM)."""
+    per warp (gate/up: 2 gate + 2 up), as many as gate/up already holds. A lane loads 16 bytes of
+    each row per k-step up to 2 rows, 8 up to 4, then 4, and where it loads more than 4 bytes beside
+    more than one row, at most ACCUMULATORS_MAX (weight rows x activation rows): Qwen3-4B's layer
+    launch at 4 rows 144 -> 105 registers (offline ptxas), 3 -> 4 blocks per SM. From 5 rows on a
+    warp keeps its 4 rows: x, unstaged there, is converted once per warp for all of them (at 8 rows
+    2 blocks per SM; one row per warp at 4 blocks per SM was slower: 4B / 8B layer 363 / 561 vs
+    323 / 437 us)."""
     VEC = 4 if M <= 2 else (2 if M <= 4 else 1)
     while VEC > 1 and K % lane_elems(bits, VEC):
         VEC //= 2
     nout = N // 2 if epi == 2 else N
     rows = 2 if epi == 2 else 1                 # weight rows per warp per output row
-    rmax = max(1, min(4, ACCUMULATORS_MAX // M) // rows)
+    rmax = 4 // rows if M == 1 or VEC == 1 else max(1, min(4, ACCUMULATORS_MAX // M) // rows)
     R = min(rmax, 2) if (epi == 3 or nout >= 4096) else 1
     while one_wave and 2 * R <= rmax and K >= ONE_WAVE_MIN_K and gemv_blocks(N, epi, R, 4) > RESIDENT_BLOCKS:
         R *= 2   # the head kernel's blocks still tile a head: 4 warps x 4 rows divide D = 64/128/256
