@@ -2,11 +2,11 @@
 end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
-        [--prompt 512] [--reps 20] [--attn-blocks 264,132] [--resident 528,396]
+        [--prompt 512] [--reps 20] [--batch 1,4,8] [--attn-blocks 264,132] [--resident 528,396]
         [--disable '' --disable NAMES] [--out benchmarks/results/cuda_layer_phases]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
-launches its first n fused layers (n per --layers) as one layer launch with stamps
+launches its first n fused layers (n per --layers) as one layer launch with stamps, for --batch rows,
 (layer.layers_launch(stamps=True), read by backends/cuda/phases.py) over a KV cache of --prompt
 positions, --reps times after 3 warm-up launches. Per group of blocks (layer j, phase p), medians
 over the reps, in us from the launch's first block entry:
@@ -54,7 +54,7 @@ def phase_bytes(fb, batch, ctx):
     return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
 
 
-def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1, stages=(None,)):
+def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1):
     import mlx.core as mx
     import numpy as np
 
@@ -77,10 +77,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     out = []
     default_target, default_resident = attention.ATTN_TARGET_BLOCKS, gemv.RESIDENT_BLOCKS
     try:
-        for sb, target, resident, n in [(g, t, r, n) for g in stages for t in attn_blocks for r in residents for n in nlayers]:
-            if sb is not None and sb != gemv.STAGE_MAX_BYTES:
-                gemv.STAGE_MAX_BYTES = sb
-                kernels.clear_builders()
+        for target, resident, n in [(t, r, n) for t in attn_blocks for r in residents for n in nlayers]:
             attention.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads * head subgroups))
             if (resident or default_resident) != gemv.RESIDENT_BLOCKS:
                 gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
@@ -107,7 +104,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                               "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
                               "end_us": end, "time_us": t,
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
-            out.append({"model": name, "stage_bytes": getattr(gemv, "STAGE_MAX_BYTES", None), "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
+            out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                         "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
@@ -126,15 +123,15 @@ def markdown(results, meta):
              f"device {meta['device']}; mlx {meta['mlx']}; commit {meta.get('commit')} (sources {meta['source']}); "
              "median of the reps; "
              "us from the launch's first block entry.", ""]
-    summary = ["| model | layers per launch | attention splits | disabled | RESIDENT_BLOCKS | instrumented us | "
+    summary = ["| model | batch | layers per launch | attention splits | disabled | RESIDENT_BLOCKS | instrumented us | "
                "us per layer | resident blocks seen (per SM, SMs) |",
-               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         off = ",".join(r["disabled"]) or "-"
-        summary.append(f"| {r['model']} B{r['batch']} stage {r.get('stage_bytes')} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
+        summary.append(f"| {r['model']} | {r['batch']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
                        f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} | "
                        f"{r['resident_max']} ({r['resident_per_sm_max']}, {r['sms']}) |")
-        lines += [f"## {r['model']} stage {r.get('stage_bytes')}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
+        lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
                   f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
                   f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}: "
                   f"{r['total_us']:.1f} us", "",
@@ -166,8 +163,7 @@ def main():
     ap.add_argument("--disable", action="append", default=None,
                     help="comma-separated switches (mlx_fastops.FUSIONS) to patch without; repeatable: "
                          "one set of tables each ('' for the defaults)")
-    ap.add_argument("--stage-bytes", default="", help="branch experiment: gemv.STAGE_MAX_BYTES values")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", default="1", help="activation rows (sequences) of the decode step, comma-separated")
     ap.add_argument("--out", default="benchmarks/results/cuda_layer_phases", help="writes OUT.md and OUT.json")
     a = ap.parse_args()
     if not mx.cuda.is_available():
@@ -177,9 +173,9 @@ def main():
     nlayers = [int(n) for n in a.layers.split(",")]
     targets = [int(t) for t in a.attn_blocks.split(",")]
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
-    results = [r for name in a.models.split(",") for d in (a.disable or [""])
+    results = [r for name in a.models.split(",") for b in a.batch.split(",") for d in (a.disable or [""])
                for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents,
-                                a.batch, [int(g) for g in a.stage_bytes.split(",") if g] or [None])]
+                                int(b))]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
