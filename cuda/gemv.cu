@@ -24,8 +24,9 @@
 // every warp converts (and normalizes) its lanes' slices at every k-step: NW times per block, at 2
 // (with the norm ~9) instructions per element, as many as the dot products of 1 (4) weight rows.
 // Staged as floats where M * K floats fit in 16 KB (x preloaded into registers, one round trip),
-// else (XT) as T values, half the bytes, converted at each k-step: every normalized element is a
-// T already (the norm's last rounding). Same values and summation order every way.
+// else from 2 rows on (XT, up to the wrapper's STAGE_MAX_BYTES with the sums) as T values, half the
+// bytes, converted at each k-step: every normalized element is a T already (the norm's last
+// rounding). Same values and summation order every way.
 //
 // Epilogues (EPI):
 //   0 plain      y[m, n] = T(acc)                     (+ bias: T(T(acc) + bias[n]))
@@ -204,12 +205,14 @@
   // float4s s_x4[(m * EPW/4 + j) * NCH + ch] (XT: 4 T values s_xt[...], 8 bytes), so lanes reading
   // consecutive chunks hit consecutive bytes (no bank conflicts), and its sum in s_xsum[m * NCH + ch].
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
-  float4* const s_x4 = s_stage;
+#if XT
   uint2* const s_xt = reinterpret_cast<uint2*>(s_stage);
+#else
+  float4* const s_x4 = s_stage;
+#endif
   float* const s_xsum = reinterpret_cast<float*>(s_stage) + (XT ? M * XK / 2 : M * XK);
   // chunk c from its 4-element words of x (and nw)
-  auto stage_chunk = [&](int c, const uint2* wx, const uint2* wn) {
-    const int m = c / NCH, ch = c % NCH;
+  auto stage_chunk = [&](int c, int m, int ch, const uint2* wx, const uint2* wn) {
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < EPW / 4; ++j) {
@@ -248,16 +251,16 @@
       wn[j] = *reinterpret_cast<const uint2*>(nw + ch * EPW + 4 * j);
 #endif
     }
-    stage_chunk(c, wx, wn);
+    stage_chunk(c, m, ch, wx, wn);
   }
 #else
 #pragma unroll
   for (int i = 0; i < CPT; ++i) {
     const int c = threadIdx.x + i * NW * 32;
 #if HAS_NORM
-    if (c < M * NCH) stage_chunk(c, cx[i], cn[i]);
+    if (c < M * NCH) stage_chunk(c, c / NCH, c % NCH, cx[i], cn[i]);
 #else
-    if (c < M * NCH) stage_chunk(c, cx[i], nullptr);
+    if (c < M * NCH) stage_chunk(c, c / NCH, c % NCH, cx[i], nullptr);
 #endif
   }
 #endif

@@ -172,7 +172,7 @@ def cases():
               ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 1, False),
               ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 1, True),
               ("qwen3-8b", 1, {**q06, "H": 32}, 17, shapes8b, False, 1, False),
-              # batched decode rows: x staged as T values (gemv.x_stage) from 2 rows on
+              # batched decode rows: 8-16-byte lane loads up to 4 rows, x staged as T values where it fits
               ("qwen3-4b", 2, {**q06, "H": 32}, 17, shapes4b, False, 1, False),
               ("qwen3-4b", 4, {**q06, "H": 32}, 9, shapes4b, False, 1, False),
               ("qwen3-8b", 3, {**q06, "H": 32}, 11, shapes8b, False, 1, False),

@@ -42,15 +42,15 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
     each row per k-step up to 2 rows, 8 up to 4, then 4, and where it loads more than 4 bytes beside
     more than one row, at most ACCUMULATORS_MAX (weight rows x activation rows): Qwen3-4B's layer
     launch at 4 rows 144 -> 105 registers (offline ptxas), 3 -> 4 blocks per SM. From 5 rows on a
-    warp keeps its 4 rows: x, unstaged there, is converted once per warp for all of them (at 8 rows
-    2 blocks per SM; one row per warp at 4 blocks per SM was slower: 4B / 8B layer 363 / 561 vs
-    323 / 437 us)."""
+    warp keeps the rows of one row: where x is unstaged (Qwen3-4B/8B at 8 rows) a warp converts it
+    once for all of them (at 8 rows 2 blocks per SM; one row per warp at 4 blocks per SM was slower:
+    4B / 8B layer 363 / 561 vs 323 / 437 us). Qwen3-4B/8B's QKV at 3-4 rows: 768 blocks, two waves."""
     VEC = 4 if M <= 2 else (2 if M <= 4 else 1)
     while VEC > 1 and K % lane_elems(bits, VEC):
         VEC //= 2
     nout = N // 2 if epi == 2 else N
-    rows = 2 if epi == 2 else 1                 # weight rows per warp per output row
-    rmax = 4 // rows if M == 1 or VEC == 1 else max(1, min(4, ACCUMULATORS_MAX // M) // rows)
+    per_out = 2 if epi == 2 else 1              # weight rows per warp per output row
+    rmax = 4 // per_out if M == 1 or VEC == 1 else max(1, min(4, ACCUMULATORS_MAX // M) // per_out)
     R = min(rmax, 2) if (epi == 3 or nout >= 4096) else 1
     while one_wave and 2 * R <= rmax and K >= ONE_WAVE_MIN_K and gemv_blocks(N, epi, R, 4) > RESIDENT_BLOCKS:
         R *= 2   # the head kernel's blocks still tile a head: 4 warps x 4 rows divide D = 64/128/256
@@ -62,7 +62,7 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
 # Qwen3-0.6B's up to 4 rows), else from 2 rows on as T values (XT) up to STAGE_MAX_BYTES with their
 # lane-step sums: within the 48 KB a launch has beside the one-launch layer's ~12-16 KB of static
 # shared memory (more takes MLX's opt-in above 48000 dynamic bytes, and 4 blocks per SM would not
-# fit). Qwen3-4B's QKV and gate/up up to 5 rows, Qwen3-8B's up to 3.
+# fit). E.g. Qwen3-4B's QKV and gate/up up to 5 rows and o_proj up to 3, Qwen3-8B's up to 3.
 STAGE_MAX_FLOATS = 4096
 STAGE_MAX_BYTES = 32 * 1024
 
