@@ -2,11 +2,11 @@
 end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
-        [--prompt 512] [--reps 20] [--attn-blocks 264,132] [--resident 528,396]
+        [--prompt 512] [--reps 20] [--batch 1,4,8] [--attn-blocks 264,132] [--resident 528,396]
         [--disable '' --disable NAMES] [--out benchmarks/results/cuda_layer_phases]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
-launches its first n fused layers (n per --layers) as one layer launch with stamps
+launches its first n fused layers (n per --layers) as one layer launch with stamps, for --batch rows,
 (layer.layers_launch(stamps=True), read by backends/cuda/phases.py) over a KV cache of --prompt
 positions, --reps times after 3 warm-up launches. Per group of blocks (layer j, phase p), medians
 over the reps, in us from the launch's first block entry:
@@ -123,12 +123,12 @@ def markdown(results, meta):
              f"device {meta['device']}; mlx {meta['mlx']}; commit {meta.get('commit')} (sources {meta['source']}); "
              "median of the reps; "
              "us from the launch's first block entry.", ""]
-    summary = ["| model | layers per launch | attention splits | disabled | RESIDENT_BLOCKS | instrumented us | "
+    summary = ["| model | batch | layers per launch | attention splits | disabled | RESIDENT_BLOCKS | instrumented us | "
                "us per layer | resident blocks seen (per SM, SMs) |",
-               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         off = ",".join(r["disabled"]) or "-"
-        summary.append(f"| {r['model']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
+        summary.append(f"| {r['model']} | {r['batch']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
                        f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} | "
                        f"{r['resident_max']} ({r['resident_per_sm_max']}, {r['sms']}) |")
         lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
@@ -163,6 +163,7 @@ def main():
     ap.add_argument("--disable", action="append", default=None,
                     help="comma-separated switches (mlx_fastops.FUSIONS) to patch without; repeatable: "
                          "one set of tables each ('' for the defaults)")
+    ap.add_argument("--batch", default="1", help="activation rows (sequences) of the decode step, comma-separated")
     ap.add_argument("--out", default="benchmarks/results/cuda_layer_phases", help="writes OUT.md and OUT.json")
     a = ap.parse_args()
     if not mx.cuda.is_available():
@@ -172,8 +173,9 @@ def main():
     nlayers = [int(n) for n in a.layers.split(",")]
     targets = [int(t) for t in a.attn_blocks.split(",")]
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
-    results = [r for name in a.models.split(",") for d in (a.disable or [""])
-               for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents)]
+    results = [r for name in a.models.split(",") for b in a.batch.split(",") for d in (a.disable or [""])
+               for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents,
+                                int(b))]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

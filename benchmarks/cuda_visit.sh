@@ -21,7 +21,8 @@
 #   serve        mlx_lm.server vs mlx-fastops serve over HTTP, Qwen3-0.6B, 1 / 4 / 16 clients (tuner off: it would
 #                add its first tuning to the patched server's start) -> results/serve_load.*
 #   prefill      GEMMs of 9-8192 rows: stock quantized_matmul, qmm, dequantise + matmul, dense, TFLOP/s -> results/cuda_prefill.*
-#   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*
+#   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*, and
+#                at 4 and 8 rows (batched decode) -> results/cuda_layer_phases_batch.*
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
 #                Nsight Systems NVTX/CUDA-API summary of Qwen3-4B decode where nsys is installed
 #   groups       every layer in one launch beside the default, with a cProfile of the step builds
@@ -61,7 +62,9 @@ phases() {  # phases DIR TIMEOUT [--disable NAMES ...]
     --disable '' "$@" --out "$dir/cuda_layer_phases_large" > "$LOGS/phases_large.log" 2>&1
   timeout "$limit" python3 benchmarks/cuda_layer_phases.py --models qwen3-0.6b --layers 4,1 --reps 12 \
     --disable '' "$@" --out "$dir/cuda_layer_phases_small" > "$LOGS/phases_small.log" 2>&1
-  tail -n 9 "$dir/cuda_layer_phases_large.md" "$dir/cuda_layer_phases_small.md"
+  timeout "$limit" python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b --layers 1 --reps 12 --batch 4,8 \
+    --disable '' "$@" --out "$dir/cuda_layer_phases_batch" > "$LOGS/phases_batch.log" 2>&1
+  tail -n 9 "$dir/cuda_layer_phases_large.md" "$dir/cuda_layer_phases_small.md" "$dir/cuda_layer_phases_batch.md"
 }
 case "$mode" in
   tests)

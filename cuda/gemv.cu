@@ -19,11 +19,14 @@
 // Optional input RMSNorm (HAS_NORM): x <- T(T(x * rsqrt(mean(x^2) + eps)) * nw), exactly the
 // rounding points of mx.fast.rms_norm, computed per block (every block reads all of x anyway).
 //
-// Staged x (XK = K, a define, when M * K floats fit): the block converts (and normalizes) x once
-// into its dynamic shared memory (the wrapper's x_stage_bytes), with each lane-step's x-sum;
-// otherwise every warp converts (and normalizes) its lanes' slices at every k-step: NW times per
-// block, at 2 (with the norm ~9) instructions per element, as many as the dot products of 1 (4)
-// weight rows. Same values and summation order either way.
+// Staged x (XK = K, a define, where it fits): the block converts (and normalizes) x once into its
+// dynamic shared memory (the wrapper's x_stage_bytes), with each lane-step's x-sum; otherwise
+// every warp converts (and normalizes) its lanes' slices at every k-step: NW times per block, at 2
+// (with the norm ~9) instructions per element, as many as the dot products of 1 (4) weight rows.
+// Staged as floats where M * K floats fit in 16 KB (x preloaded into registers, one round trip),
+// else from 2 rows on (XT, up to the wrapper's STAGE_MAX_BYTES with the sums) as T values, half the
+// bytes, converted at each k-step: every normalized element is a T already (the norm's last
+// rounding). Same values and summation order every way.
 //
 // Epilogues (EPI):
 //   0 plain      y[m, n] = T(acc)                     (+ bias: T(T(acc) + bias[n]))
@@ -48,7 +51,7 @@
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], BITS, GS, M, R,
-// NW, VEC, EPI, XK, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for
+// NW, VEC, EPI, XK, XT, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for
 // EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE,
 // ROPE_SCALE, [LEFT_PAD]. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
 // small managed-memory pool that the host writes too, and reading one from a kernel can fault.
@@ -124,11 +127,12 @@
 #endif
 
 #if XK
-  // Staged x: this thread's chunks of x (and nw) are loaded first (at most 32 elements each:
-  // M * XK <= 32 * 128), beside the norm's sum-of-squares loads, whose loop then has a
-  // compile-time bound: one round trip.
   static_assert(sizeof(T) == 2, "x is staged for 2-byte types (4 elements per 8-byte load)");
   constexpr int NCH = XK / EPW;                               // chunks (lane-steps) per row
+#if !XT
+  // Staged as floats: this thread's chunks of x (and nw) are loaded first (at most 32 elements
+  // each: M * XK <= 32 * 128), beside the norm's sum-of-squares loads, whose loop then has a
+  // compile-time bound: one round trip.
   constexpr int CPT = (M * NCH + NW * 32 - 1) / (NW * 32);    // chunks per thread
   uint2 cx[CPT][EPW / 4];
 #if HAS_NORM
@@ -148,6 +152,7 @@
       }
     }
   }
+#endif
   constexpr int KN = XK;
 #else
   const int KN = K;
@@ -197,41 +202,68 @@
 #endif
 #if XK
   // Stage x (normalized): chunk ch (EPW elements, one lane-step) of row m is stored as EPW/4
-  // float4s, s_x4[(m * EPW/4 + j) * NCH + ch], so lanes reading consecutive chunks hit
-  // consecutive 16 bytes (no bank conflicts), and its sum in s_xsum[m * NCH + ch].
+  // float4s s_x4[(m * EPW/4 + j) * NCH + ch] (XT: 4 T values s_xt[...], 8 bytes), so lanes reading
+  // consecutive chunks hit consecutive bytes (no bank conflicts), and its sum in s_xsum[m * NCH + ch].
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
+#if XT
+  uint2* const s_xt = reinterpret_cast<uint2*>(s_stage);
+#else
   float4* const s_x4 = s_stage;
-  float* const s_xsum = reinterpret_cast<float*>(s_stage + M * XK / 4);
+#endif
+  float* const s_xsum = reinterpret_cast<float*>(s_stage) + (XT ? M * XK / 2 : M * XK);
+  // chunk c from its 4-element words of x (and nw)
+  auto stage_chunk = [&](int c, int m, int ch, const uint2* wx, const uint2* wn) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < EPW / 4; ++j) {
+      alignas(8) T tmp[4];
+      *reinterpret_cast<uint2*>(tmp) = wx[j];
+#if HAS_NORM
+      alignas(8) T nwt[4];
+      *reinterpret_cast<uint2*>(nwt) = wn[j];
+#endif
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+#if HAS_NORM
+        const T nv = static_cast<T>(static_cast<float>(tmp[e]) * s_inv[m]);
+        tmp[e] = static_cast<T>(static_cast<float>(nwt[e]) * static_cast<float>(nv));
+#endif
+        v[e] = static_cast<float>(tmp[e]);
+        sum += v[e];
+      }
+#if XT
+      s_xt[(m * (EPW / 4) + j) * NCH + ch] = *reinterpret_cast<const uint2*>(tmp);
+#else
+      s_x4[(m * (EPW / 4) + j) * NCH + ch] = make_float4(v[0], v[1], v[2], v[3]);
+#endif
+    }
+    s_xsum[c] = sum;
+  };
+#if XT
+  for (int c = threadIdx.x; c < M * NCH; c += NW * 32) {
+    const int m = c / NCH, ch = c % NCH;
+    uint2 wx[EPW / 4], wn[EPW / 4];
+#pragma unroll
+    for (int j = 0; j < EPW / 4; ++j) {
+      wx[j] = *reinterpret_cast<const uint2*>(x + (size_t)m * XK + ch * EPW + 4 * j);
+#if HAS_NORM
+      wn[j] = *reinterpret_cast<const uint2*>(nw + ch * EPW + 4 * j);
+#endif
+    }
+    stage_chunk(c, m, ch, wx, wn);
+  }
+#else
 #pragma unroll
   for (int i = 0; i < CPT; ++i) {
     const int c = threadIdx.x + i * NW * 32;
-    if (c < M * NCH) {
-      const int m = c / NCH, ch = c % NCH;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < EPW / 4; ++j) {
-        alignas(8) T tmp[4];
-        *reinterpret_cast<uint2*>(tmp) = cx[i][j];
 #if HAS_NORM
-        alignas(8) T nwt[4];
-        *reinterpret_cast<uint2*>(nwt) = cn[i][j];
-#endif
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-#if HAS_NORM
-          const T nv = static_cast<T>(static_cast<float>(tmp[e]) * s_inv[m]);
-          v[e] = static_cast<float>(static_cast<T>(static_cast<float>(nwt[e]) * static_cast<float>(nv)));
+    if (c < M * NCH) stage_chunk(c, c / NCH, c % NCH, cx[i], cn[i]);
 #else
-          v[e] = static_cast<float>(tmp[e]);
+    if (c < M * NCH) stage_chunk(c, c / NCH, c % NCH, cx[i], nullptr);
 #endif
-          sum += v[e];
-        }
-        s_x4[(m * (EPW / 4) + j) * NCH + ch] = make_float4(v[0], v[1], v[2], v[3]);
-      }
-      s_xsum[c] = sum;
-    }
   }
+#endif
   __syncthreads();
 #endif
 
@@ -265,71 +297,83 @@
       }
       if (k0 + KSTEP < K) load_w(k0 + KSTEP);   // next step in flight
 
-      // activations: EPW values per row, 16-byte loads
-      float xf[M][EPW];
+      // One word (WE k) of every weight row at a time, with x of those k only: the registers of x
+      // are M * WE, not M * EPW, whatever VEC. Per row and activation the products are added in k
+      // order, as are the x-sums.
+      constexpr int WE = BITS == 4 ? 8 : 4;   // k per uint32 word
       float sx[M];
+      float d[RR][M];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+#if XK
+        sx[m] = s_xsum[m * NCH + k0 / EPW];
+#else
+        sx[m] = 0.f;
+#endif
+#pragma unroll
+        for (int r = 0; r < RR; ++r) d[r][m] = 0.f;
+      }
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float xf[M][WE];
 #if XK
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const int ch = k0 / EPW;
+        for (int m = 0; m < M; ++m) {
+          const int ch = k0 / EPW;
 #pragma unroll
-        for (int j = 0; j < EPW / 4; ++j) {
-          const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
-          xf[m][4 * j] = t.x; xf[m][4 * j + 1] = t.y; xf[m][4 * j + 2] = t.z; xf[m][4 * j + 3] = t.w;
-        }
-        sx[m] = s_xsum[m * NCH + ch];
-      }
+          for (int jj = 0; jj < WE / 4; ++jj) {
+            const int j = v * (WE / 4) + jj;   // the word's 4-element parts within the lane-step
+#if XT
+            alignas(8) T t4[4];
+            *reinterpret_cast<uint2*>(t4) = s_xt[(m * (EPW / 4) + j) * NCH + ch];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xf[m][4 * jj + e] = static_cast<float>(t4[e]);
 #else
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const T* xp = x + (size_t)m * K + k0;
-        constexpr int PER = 16 / (int)sizeof(T);
-        constexpr int XV = PER < EPW ? PER : EPW;      // elements per x load
-        sx[m] = 0.f;
-#pragma unroll
-        for (int c = 0; c < EPW; c += XV) {
-          alignas(16) T tmp[XV];
-#if HAS_NORM
-          alignas(16) T nwt[XV];
-#endif
-          if constexpr (XV * sizeof(T) == 16) {
-            *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(xp + c);
-#if HAS_NORM
-            *reinterpret_cast<uint4*>(nwt) = *reinterpret_cast<const uint4*>(nw + k0 + c);
-#endif
-          } else if constexpr (XV * sizeof(T) == 8) {
-            *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(xp + c);
-#if HAS_NORM
-            *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + k0 + c);
-#endif
-          } else {
-            *reinterpret_cast<uint32_t*>(tmp) = *reinterpret_cast<const uint32_t*>(xp + c);
-#if HAS_NORM
-            *reinterpret_cast<uint32_t*>(nwt) = *reinterpret_cast<const uint32_t*>(nw + k0 + c);
+            const float4 t = s_x4[(m * (EPW / 4) + j) * NCH + ch];
+            xf[m][4 * jj] = t.x; xf[m][4 * jj + 1] = t.y; xf[m][4 * jj + 2] = t.z; xf[m][4 * jj + 3] = t.w;
 #endif
           }
-#pragma unroll
-          for (int j = 0; j < XV; ++j) {
-#if HAS_NORM
-            const T nv = static_cast<T>(static_cast<float>(tmp[j]) * s_inv[m]);
-            const float v = static_cast<float>(static_cast<T>(static_cast<float>(nwt[j]) * static_cast<float>(nv)));
+        }
 #else
-            const float v = static_cast<float>(tmp[j]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const T* xp = x + (size_t)m * K + k0 + v * WE;
+          constexpr int PER = 16 / (int)sizeof(T);
+          constexpr int XV = PER < WE ? PER : WE;      // elements per x load
+#pragma unroll
+          for (int c = 0; c < WE; c += XV) {
+            alignas(16) T tmp[XV];
+#if HAS_NORM
+            alignas(16) T nwt[XV];
 #endif
-            xf[m][c + j] = v;
-            sx[m] += v;
+            if constexpr (XV * sizeof(T) == 16) {
+              *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(xp + c);
+#if HAS_NORM
+              *reinterpret_cast<uint4*>(nwt) = *reinterpret_cast<const uint4*>(nw + k0 + v * WE + c);
+#endif
+            } else {
+              *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(xp + c);
+#if HAS_NORM
+              *reinterpret_cast<uint2*>(nwt) = *reinterpret_cast<const uint2*>(nw + k0 + v * WE + c);
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < XV; ++j) {
+#if HAS_NORM
+              const T nv = static_cast<T>(static_cast<float>(tmp[j]) * s_inv[m]);
+              const float e = static_cast<float>(static_cast<T>(static_cast<float>(nwt[j]) * static_cast<float>(nv)));
+#else
+              const float e = static_cast<float>(tmp[j]);
+#endif
+              xf[m][c + j] = e;
+              sx[m] += e;
+            }
           }
         }
-      }
 #endif
-      // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (see the top)
+        // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (see the top)
 #pragma unroll
-      for (int r = 0; r < RR; ++r) {
-        float d[M];
-#pragma unroll
-        for (int m = 0; m < M; ++m) d[m] = 0.f;
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) {
+        for (int r = 0; r < RR; ++r) {
           const uint32_t wd = cw[r][v];
           if constexpr (BITS == 4) {
             const uint32_t lo = (wd << 3) & 0x78787878u;   // even elements, at bits 3-6 of each byte
@@ -340,8 +384,8 @@
               const float q1 = __int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044 + (j << 8)));
 #pragma unroll
               for (int m = 0; m < M; ++m) {
-                d[m] = fmaf(xf[m][v * 8 + 2 * j], q0, d[m]);
-                d[m] = fmaf(xf[m][v * 8 + 2 * j + 1], q1, d[m]);
+                d[r][m] = fmaf(xf[m][2 * j], q0, d[r][m]);
+                d[r][m] = fmaf(xf[m][2 * j + 1], q1, d[r][m]);
               }
             }
           } else {
@@ -349,16 +393,18 @@
             for (int j = 0; j < 4; ++j) {
               const float q0 = __int_as_float(__byte_perm(wd, 0x4B000000u, 0x7540 + j)) - 8388608.f;
 #pragma unroll
-              for (int m = 0; m < M; ++m) d[m] = fmaf(xf[m][v * 4 + j], q0, d[m]);
+              for (int m = 0; m < M; ++m) d[r][m] = fmaf(xf[m][j], q0, d[r][m]);
             }
           }
         }
+      }
+#pragma unroll
+      for (int r = 0; r < RR; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          const float dq = (BITS == 4) ? fmaf(32.f, d[m], -16.f * sx[m]) : d[m];
+          const float dq = (BITS == 4) ? fmaf(32.f, d[r][m], -16.f * sx[m]) : d[r][m];
           acc[r][m] += cs[r] * dq + cb[r] * sx[m];
         }
-      }
     }
 
     // ---- warp reduction; lane r*M + m stores (row r, activation m) ----

@@ -93,7 +93,7 @@ def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     T = CTYPE[dtype]
     vec, R, nw = G.gemv_config(M, K, N, bits, epi)
     d = G.gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, 1e-6 if norm else None, bias, head,
-                       G.x_stage(M, K, dtype))
+                       G.x_stage(M, K, dtype, bits, vec))
     src = source("gemv.cu", d, dtype)
     types = {"x": T, "w": "uint32_t", "sc": T, "bi": T, "nw": T, "bias": T,
              "res": T, "qn": T, "kn": T, "off": "int32_t", "after": T,
@@ -172,6 +172,11 @@ def cases():
               ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 1, False),
               ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 1, True),
               ("qwen3-8b", 1, {**q06, "H": 32}, 17, shapes8b, False, 1, False),
+              # batched decode rows: 8-16-byte lane loads up to 4 rows, x staged as T values where it fits
+              ("qwen3-4b", 2, {**q06, "H": 32}, 17, shapes4b, False, 1, False),
+              ("qwen3-4b", 4, {**q06, "H": 32}, 9, shapes4b, False, 1, False),
+              ("qwen3-8b", 3, {**q06, "H": 32}, 11, shapes8b, False, 1, False),
+              ("qwen3-8b", 8, {**q06, "H": 32}, 5, shapes8b, False, 1, False),
               ("qwen2.5-0.5b", 1, q25, 33, shapes25, True, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 4, True),

@@ -49,13 +49,13 @@ def packed(N, K, bits, gs, dtype, splits=None, bias=False):
 def unstaged():
     """Every GEMV converts x per warp at each k-step (gemv.cu without XK), as for rows too long
     to stage in shared memory."""
-    old = G.STAGE_MAX_FLOATS
-    G.STAGE_MAX_FLOATS = 0
+    old = G.STAGE_MAX_FLOATS, G.STAGE_MAX_BYTES
+    G.STAGE_MAX_FLOATS = G.STAGE_MAX_BYTES = 0
     kernels.clear_builders()
     try:
         yield
     finally:
-        G.STAGE_MAX_FLOATS = old
+        G.STAGE_MAX_FLOATS, G.STAGE_MAX_BYTES = old
         kernels.clear_builders()
 
 
@@ -65,15 +65,19 @@ def dense(w):
                          group_size=w.group_size, bits=w.bits)
 
 
-@pytest.mark.parametrize("dtype,bits,gs,M,K,N", [("bfloat16", 4, 64, 1, 1024, 4096), ("float16", 8, 32, 2, 320, 200),
-                                                ("bfloat16", 4, 128, 3, 1024, 1032), ("bfloat16", 8, 64, 4, 896, 4864)])
-def test_gemv_staged_x_keeps_bits(dtype, bits, gs, M, K, N):
-    """x converted once per block into shared memory or per warp at each k-step: the same values
-    in the same order, so the same bits (tests/test_ops.py checks the values against float32)."""
+@pytest.mark.parametrize("dtype,bits,gs,M,K,N,xt", [
+    ("bfloat16", 4, 64, 1, 1024, 4096, 0), ("float16", 8, 32, 2, 320, 200, 0), ("bfloat16", 4, 128, 3, 1024, 1032, 0),
+    ("bfloat16", 8, 64, 4, 896, 4864, 0),
+    # staged as T values: Qwen3-4B's QKV at 4 rows, 8-bit at 3 rows (4 k per lane-step), 8 rows
+    ("bfloat16", 4, 64, 4, 2560, 1000, 1), ("float16", 8, 32, 3, 1536, 200, 1), ("bfloat16", 4, 128, 8, 1024, 300, 1)])
+def test_gemv_staged_x_keeps_bits(dtype, bits, gs, M, K, N, xt):
+    """x converted once per block into shared memory (as floats, or as T values converted at each
+    k-step) or per warp at each k-step: the same values in the same order, so the same bits
+    (tests/test_ops.py checks the values against float32)."""
     dt = getattr(mx, dtype)
     w = packed(N, K, bits, gs, dt, bias=(M == 2))
     x = mx.random.normal((M, K)).astype(dt)
-    assert G.x_stage(M, K, dt)
+    assert G.x_stage(M, K, dt, bits, G.gemv_config(M, K, N, bits, 0)[0]) == (K, xt)
     y = G.gemv(x, w)
     with unstaged():
         assert mx.array_equal(y, G.gemv(x, w))
@@ -139,7 +143,7 @@ def test_folded_norm_matches_rms_norm(dtype, M, K):
     gu = packed(640, K, 4, 64, dt, splits=(320, 320))
     y = G.gemv(x, gu, epi=2, norm=(nw, 1e-6))
     assert rel(y, G.gemv(mx.fast.rms_norm(x, nw, 1e-6), gu, epi=2)) < 1e-3
-    assert bool(G.x_stage(M, K, dt)) == (M * K <= G.STAGE_MAX_FLOATS)
+    assert G.x_stage(M, K, dt, 4, G.gemv_config(M, K, 640, 4, 2)[0]) == (K, int(M * K > G.STAGE_MAX_FLOATS))
     with unstaged():
         assert mx.array_equal(y, G.gemv(x, gu, epi=2, norm=(nw, 1e-6)))
 
@@ -366,6 +370,20 @@ LAYERS = [
     ("qwen2.5-0.5b", ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864)),
      (14, 2, 64), (144, 224, 304, 224), False),
 ]
+
+
+@pytest.mark.parametrize("M,configs", [
+    (1, ((4, 4), (4, 2), (4, 2), (4, 2))), (2, ((4, 4), (4, 2), (4, 2), (4, 2))),
+    (4, ((2, 2), (2, 2), (2, 1), (2, 2))), (8, ((1, 4), (1, 2), (1, 2), (1, 2)))])
+def test_layer_gemv_blocking_by_rows(M, configs):
+    """(VEC, R) of Qwen3-4B's QKV, o_proj, gate/up and down phases by activation rows: 16-byte lane
+    loads (VEC 4) up to 2 rows, then 8 and 4 bytes; beside 8-byte loads of 3-4 rows at most 8
+    accumulators (weight rows x rows) per lane, so the launch stays within 128 registers (4 blocks
+    per SM; tests/cuda_compile_check.py); from 5 rows on the rows per warp of one row."""
+    shapes = LAYERS[1][1]
+    got = tuple(G.gemv_config(M, K, N, bits, epi, one_wave=True)[:2]
+                for (bits, _, N, K), epi in zip(shapes, (3, 1, 2, 1)))
+    assert got == configs
 
 
 @pytest.mark.parametrize("name,shapes,heads,blocks,staged", LAYERS)

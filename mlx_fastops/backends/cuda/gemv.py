@@ -22,6 +22,7 @@ from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
 RESIDENT_BLOCKS = 4 * 132
 ONE_WAVE_MIN_K = 2048   # rows this long take more rows per warp rather than a second wave
+ACCUMULATORS_MAX = 8   # per lane, beside 8- or 16-byte loads of 2-4 rows: weight rows per warp x rows
 
 
 def lane_elems(bits, vec):
@@ -37,22 +38,33 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
     whose blocks must tile a head), and (one_wave: the phases of the one-launch layer) 2 or 4 where
     fewer would leave a second wave of blocks with long rows (K >= ONE_WAVE_MIN_K) to run after the
     first: Qwen3-4B o_proj/down 640 -> 320 blocks, Qwen3-4B/8B QKV 768 -> 384. At most 4 weight rows
-    per warp (gate/up: 2 gate + 2 up), as many as gate/up already holds."""
-    VEC = 4 if M == 1 else (2 if M == 2 else 1)
+    per warp (gate/up: 2 gate + 2 up), as many as gate/up already holds. A lane loads 16 bytes of
+    each row per k-step up to 2 rows, 8 up to 4, then 4, and where it loads more than 4 bytes beside
+    more than one row, at most ACCUMULATORS_MAX (weight rows x activation rows): Qwen3-4B's layer
+    launch at 4 rows 144 -> 105 registers (offline ptxas), 3 -> 4 blocks per SM. From 5 rows on a
+    warp keeps the rows of one row: where x is unstaged (Qwen3-4B/8B at 8 rows) a warp converts it
+    once for all of them (at 8 rows 2 blocks per SM; one row per warp at 4 blocks per SM was slower:
+    4B / 8B layer 363 / 561 vs 323 / 437 us). Qwen3-4B/8B's QKV at 3-4 rows: 768 blocks, two waves."""
+    VEC = 4 if M <= 2 else (2 if M <= 4 else 1)
     while VEC > 1 and K % lane_elems(bits, VEC):
         VEC //= 2
     nout = N // 2 if epi == 2 else N
-    R = 2 if (epi == 3 or nout >= 4096) else 1
-    rmax = 2 if epi == 2 else 4
-    while one_wave and R < rmax and K >= ONE_WAVE_MIN_K and gemv_blocks(N, epi, R, 4) > RESIDENT_BLOCKS:
+    per_out = 2 if epi == 2 else 1              # weight rows per warp per output row
+    rmax = 4 // per_out if M == 1 or VEC == 1 else max(1, min(4, ACCUMULATORS_MAX // M) // per_out)
+    R = min(rmax, 2) if (epi == 3 or nout >= 4096) else 1
+    while one_wave and 2 * R <= rmax and K >= ONE_WAVE_MIN_K and gemv_blocks(N, epi, R, 4) > RESIDENT_BLOCKS:
         R *= 2   # the head kernel's blocks still tile a head: 4 warps x 4 rows divide D = 64/128/256
     return VEC, R, 4
 
 
-# A GEMV stages x as floats in shared memory (gemv.cu, XK) up to this many (16 KB per block; the
-# staging registers hold 32 elements per thread): Qwen3-8B's hidden size at batch 1, Qwen3-0.6B's
-# up to 4 rows.
+# A GEMV stages x in shared memory (gemv.cu, XK): as floats up to STAGE_MAX_FLOATS elements (16 KB
+# per block; the staging registers hold 32 elements per thread: Qwen3-8B's hidden size at batch 1,
+# Qwen3-0.6B's up to 4 rows), else from 2 rows on as T values (XT) up to STAGE_MAX_BYTES with their
+# lane-step sums: within the 48 KB a launch has beside the one-launch layer's ~12-16 KB of static
+# shared memory (more takes MLX's opt-in above 48000 dynamic bytes, and 4 blocks per SM would not
+# fit). E.g. Qwen3-4B's QKV and gate/up up to 5 rows and o_proj up to 3, Qwen3-8B's up to 3.
 STAGE_MAX_FLOATS = 4096
+STAGE_MAX_BYTES = 32 * 1024
 
 
 def stream_blocks(nb):
@@ -65,15 +77,23 @@ def stream_blocks(nb):
     return -(-nb // per)
 
 
-def x_stage(M, K, dtype, room=True):
-    """XK of gemv.cu: K when a GEMV stages its x (half types, where it fits and the launch has
-    shared memory to spare: `room`), else 0."""
-    return K if room and dtype in HALF and M * K <= STAGE_MAX_FLOATS else 0
+def x_stage(M, K, dtype, bits, vec, room=True):
+    """(XK, XT) of gemv.cu: (K, 0) where a GEMV stages its x as floats, (K, 1) as T values, (0, 0)
+    where it does not (half types, where it fits and the launch has shared memory to spare: `room`)."""
+    if not room or dtype not in HALF:
+        return 0, 0
+    if M * K <= STAGE_MAX_FLOATS:
+        return K, 0
+    if M > 1 and x_stage_bytes(M, bits, vec, (K, 1)) <= STAGE_MAX_BYTES:
+        return K, 1
+    return 0, 0
 
 
-def x_stage_bytes(M, bits, vec, xk):
-    """Dynamic shared memory of a GEMV that stages x (xk = K): M*K floats and one sum per lane-step."""
-    return 4 * M * (xk + xk // lane_elems(bits, vec)) if xk else 0
+def x_stage_bytes(M, bits, vec, stage):
+    """Dynamic shared memory of a GEMV that stages x (stage = x_stage's (K, XT)): M*K floats (XT: T
+    values) and one float sum per lane-step."""
+    xk, xt = stage
+    return M * ((2 if xt else 4) * xk + 4 * (xk // lane_elems(bits, vec)))
 
 
 def gemv_inputs(norm, bias, res, head=None):
@@ -92,11 +112,11 @@ def gemv_inputs(norm, bias, res, head=None):
     return names
 
 
-def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, xk=0, stream=0):
+def gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps=None, bias=False, head=None, stage=(0, 0), stream=0):
     """#defines of one GEMV kernel (K and N are run-time values, read from w's shape).
-    eps: the folded input RMSNorm's epsilon (None: no norm); xk: x_stage's K or 0; stream: STREAM
+    eps: the folded input RMSNorm's epsilon (None: no norm); stage: x_stage's (XK, XT); stream: STREAM
     (blocks running row groups in turn; 0: one group each)."""
-    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, XK=xk, HAS_NORM=eps is not None,
+    d = dict(BITS=bits, GS=gs, M=M, R=R, NW=nw, VEC=vec, EPI=epi, XK=stage[0], XT=stage[1], HAS_NORM=eps is not None,
              HAS_BIAS=bias, STREAM=stream)
     if eps is not None:
         d["EPS"] = flt(eps)
@@ -116,19 +136,20 @@ def gemv_blocks(N, epi, R, nw):
 
 
 @cached_builder
-def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, xk):
+def _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, vec, R, nw, stage):
     head = dict(head_items) if head_items else None
-    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head, xk), dtype)
+    src = source("gemv.cu", gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, bias, head, stage), dtype)
     return cuda_kernel(name=kernel_name("gemv", src), input_names=gemv_inputs(eps is not None, bias, res, head),
                        output_names=gemv_outputs(epi), source=src, ensure_row_contiguous=(epi != 3),
-                       shared_memory=x_stage_bytes(M, bits, vec, xk))
+                       shared_memory=x_stage_bytes(M, bits, vec, stage))
 
 
 def gemv_kernel(dtype, M, K, N, bits, gs, epi, eps, bias, res, head_items):
     """(kernel, grid, threadgroup) of a GEMV launched alone, for this call's sizes; eps: folded
     input RMSNorm or None; head_items: EPI 3's head description (sorted items) or None."""
     VEC, R, NW = gemv_config(M, K, N, bits, epi)
-    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW, x_stage(M, K, dtype))
+    kern = _gemv_build(dtype, M, bits, gs, epi, eps, bias, res, head_items, VEC, R, NW,
+                       x_stage(M, K, dtype, bits, VEC))
     return kern, (gemv_blocks(N, epi, R, NW) * NW * 32, 1, 1), (NW * 32, 1, 1)
 
 

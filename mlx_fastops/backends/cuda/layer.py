@@ -96,11 +96,11 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
-        xk = x_stage(M, K, dtype, room)
-        smem[0] = max(smem[0], x_stage_bytes(M, bits, vec, xk))
+        stage = x_stage(M, K, dtype, bits, vec, room)
+        smem[0] = max(smem[0], x_stage_bytes(M, bits, vec, stage))
         nb = gemv_blocks(N, epi, R, nw)
         launched = stream_blocks(nb) if epi != 3 else nb   # the QKV phase's blocks complete heads
-        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, xk, launched if launched < nb else 0)
+        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, stage, launched if launched < nb else 0)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
         header.append(_phase(name, "gemv.cu", d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
                              gemv_outputs(epi), shaped=("w",), strided=cache_inputs(head)))
