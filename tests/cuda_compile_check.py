@@ -252,8 +252,11 @@ def main():
             # an out-of-line call: NVRTC stopped inlining (a multi-layer launch's phases, see layer.py)
             calls = len(re.findall(r"^\s*call", ptx, re.M))
             ok = r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not any(spills) and not calls
-            print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} calls={calls} nvrtc={secs:.1f}s ptxas={secs_ptxas:.1f}s "
-                  f"{' | '.join(info)[:160]}")
+            # blocks of `threads` per SM that the registers allow (allocated 8 per thread at a time; the layer's
+            # blockings assume 4: gemv.RESIDENT_BLOCKS)
+            per_sm = min(65536 // (-(-max(regs) // 8) * 8 * threads), 2048 // threads) if regs else 0
+            print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} blocks/SM={per_sm} calls={calls} nvrtc={secs:.1f}s "
+                  f"ptxas={secs_ptxas:.1f}s {' | '.join(info)[:160]}")
             if not ok:
                 bad += 1
                 print(r.stderr[-1500:])
