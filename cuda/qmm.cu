@@ -24,11 +24,15 @@
 //   0 plain    y[m, n] = T(acc)                 (+ bias: T(T(acc) + bias[n]))
 //   1 residual y[m, n] = T(res[m, n] + T(acc))  (o_proj / down_proj + the residual add)
 //   2 swiglu   y[m, j] = T(T(T(g) * T(sigmoid(g))) * T(acc_up)), g = T(acc_gate), gate row j, up row j + N/2
+//   3 QKV head ys[m, n] = float(EPI 0's y), then the block that completes a head (atomic ticket per
+//              token block and head: D / 32 weight blocks a head) runs head.cuh over the block's
+//              tokens: q/k RMSNorm + RoPE, q to yq, k/v written into the cache in place
 //
-// Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS.
+// Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS;
+// EPI 3: head.cuh's (L, H, HKV, D, ...).
 // Inputs: x [M, K] (K a multiple of KC), w [N, K*BITS/32] uint32, sc / bi [N, K/GS], [bias [N]],
-// [res [M, N] (EPI 1)].
-// Output: y [M, N] (EPI 2: [M, N/2]).
+// [res [M, N] (EPI 1)]; EPI 3: head.cuh's inputs after qkv, then cnt (zero; left zero).
+// Output: y [M, N] (EPI 2: [M, N/2]); EPI 3: ys [M, N] float32 (scratch), yq [B, L, H, D].
 
   constexpr int EPT = BITS == 4 ? 32 : 16;   // k per lane per chunk: one uint4 per weight row
   constexpr int KC = 4 * EPT;
@@ -226,6 +230,31 @@
 #if EPI == 1
     out = static_cast<T>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(out));
 #endif
+#if EPI == 3
+    ys[(size_t)m * N + n] = static_cast<float>(out);
+#else
     y[(size_t)m * N + n] = out;
 #endif
+#endif
   }
+
+#if EPI == 3
+  // ---- head epilogue, by the block that completes the head for these tokens ----
+  const int hb = blockIdx.y * 32 / D, row0 = m0, MV = min(8 * MT, M - m0);
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* t = const_cast<int*>(cnt) + blockIdx.x * (H + 2 * HKV) + hb;
+    s_last = atomicAdd(t, 1) == D / 32 - 1;
+    if (s_last) *t = 0;   // reset for the next launch (launches are stream-ordered)
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  {
+    constexpr int M = 8 * MT;   // head.cuh's rows (MV of them exist)
+    auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)(row0 + m) * N + hb * D + d); };
+#include "head.cuh"
+  }
+#endif

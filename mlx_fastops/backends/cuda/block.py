@@ -1,5 +1,5 @@
 """FastBlock: one decoder block's fused decode path: layer.py's one launch for up to MAX_ROWS rows,
-eight launches (`wide`, qmm on tensor cores) from wide_from to QMM_MAX_ROWS rows (batched decode)."""
+seven launches (`wide`, qmm on tensor cores) from wide_from to QMM_MAX_ROWS rows (batched decode)."""
 
 import math
 
@@ -9,9 +9,9 @@ import mlx.nn as nn
 from ...ops.weights import PackedLinear, adapter_of
 from .attention import MAX_GQA, attention, head_subgroup
 from .cache import StaticKVCache, StaticQuantizedKVCache
-from .head import cache_inputs, head_rows
+from .head import cache_inputs
 from .layer import LAYER_GROUPS, layers_launch
-from .qmm import QMM_MAX_ROWS, qmm, takes_weight
+from .qmm import QMM_MAX_ROWS, head_tickets, qmm, qmm_head, takes_weight
 from .source import HALF, MAX_ROWS, offset_array, tickets
 
 # Several layers per launch (step.launch_runs) win on small layers (Qwen3-0.6B 15M weights per
@@ -73,9 +73,9 @@ class FastBlock:
                      ("log2_base", math.log2(base)), ("qeps", float(attn._q_norm.eps) if self.qknorm else 0.0),
                      ("qknorm", self.qknorm), ("scale", float(rope.scale)), ("trad", bool(rope.traditional)))
         self.K = self.qkv.in_features
-        # this block's own tickets (head kernel: one per q/k/v head; attention: per row, kv head
-        # and head subgroup)
-        self.head_tickets = tickets(self.H + 2 * self.HKV)
+        # this block's own tickets (the QKV head epilogue: per q/k/v head and token block of `wide`;
+        # attention: per row, kv head and head subgroup)
+        self.head_tickets = tickets(head_tickets(self.H, self.HKV))
         self.attn_tickets = tickets(MAX_ROWS * self.H)
         self._counters = {}   # layer launches' group counters, per layers per launch
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
@@ -145,14 +145,14 @@ class FastBlock:
 
     def wide(self, x, off, kc, vc, after, lp=None):
         """core() for a decode step (L = 1) of wide_from to wide_rows rows: input RMSNorm, QKV on
-        tensor cores (qmm), q/k norm + RoPE + the k/v cache write (head.cu), attention
-        (attention.cu), o_proj + residual (qmm), post-attention RMSNorm, gate/up + SiLU (qmm), down
-        + residual (qmm): the composed ops' rounding points, eight launches. lp: a batch cache's
-        left padding."""
+        tensor cores with q/k norm + RoPE + the k/v cache write in its epilogue (qmm_head),
+        attention (attention.cu), o_proj + residual (qmm), post-attention RMSNorm, gate/up + SiLU
+        (qmm), down + residual (qmm): the composed ops' rounding points, seven launches. lp: a
+        batch cache's left padding."""
         B, L, _ = x.shape
         head = self.head + (("L", L),) + ((("lpad", True),) if lp is not None else ())
         arrays = dict(off=off, lp=lp, kc=kc, vc=vc, after=after, **self.head_arrays())
-        q = head_rows(qmm(mx.fast.rms_norm(x, *self.in_norm), self.qkv), head, arrays)
+        q = qmm_head(mx.fast.rms_norm(x, *self.in_norm), self.qkv, head, arrays, self.head_tickets)
         o = attention(q, kc, vc, off, self.scale, cnt=self.wide_tickets, gb=self.gb, lp=lp)
         h = qmm(o.reshape(B, L, -1), self.o, epi=1, res=x)
         return qmm(qmm(mx.fast.rms_norm(h, *self.post_norm), self.gate_up, epi=2), self.down, epi=1, res=h), o

@@ -5,6 +5,8 @@ More rows go to stock quantized_matmul, and from PREFILL_MIN_ROWS (but lm_head's
 path (prefill.py).
 
     y = x @ (s * q + b)^T  (+ bias)          EPI 1: res + that;  EPI 2: swiglu(gate rows, up rows)
+    EPI 3 (qmm_head): the QKV projection's y, then head.py's epilogue on it: q/k RMSNorm + RoPE,
+    k/v written into the cache
 
 On these rows a GEMM is a weight read: MLX's quantized_matmul reaches 1-81 TFLOP/s on the H200,
 dequantise + dense matmul less (benchmarks/results/cuda_prefill.md). Here one weight read serves
@@ -15,6 +17,7 @@ weights at the same time, from L2.
 import mlx.core as mx
 
 from ...kernels import cached_builder, cuda_kernel
+from .head import head_defines, head_inputs
 from .source import HALF, kernel_name, rows, source
 
 QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this path by 64-token chunks
@@ -63,12 +66,17 @@ def qmm_config(M, K, NOUT, bits, epi):
 
 
 @cached_builder
-def _qmm_build(dtype, bits, gs, MT, NW, epi, bias):
+def _qmm_build(dtype, bits, gs, MT, NW, epi, bias, head_items=None):
     d = dict(BITS=bits, GS=gs, MT=MT, NW=NW, EPI=epi, HAS_BIAS=bias, MMA_BF16=dtype == mx.bfloat16)
-    src = source("qmm.cu", d, dtype)
     names = ["x", "w", "sc", "bi"] + (["bias"] if bias else []) + (["res"] if epi == 1 else [])
-    return cuda_kernel(name=kernel_name("qmm", src), input_names=names, output_names=["y"], source=src,
-                       ensure_row_contiguous=True)
+    if epi == 3:
+        head = dict(head_items)
+        d.update(head_defines(head))
+        names += head_inputs(head) + ["cnt"]
+    src = source("qmm.cu", d, dtype)
+    # EPI 3 writes the cache buffers in place: they must reach it as they are (strides), not copied
+    return cuda_kernel(name=kernel_name("qmm", src), input_names=names, output_names=["ys", "yq"] if epi == 3 else ["y"],
+                       source=src, ensure_row_contiguous=epi != 3)
 
 
 def qmm(x, w, epi=0, res=None):
@@ -88,3 +96,33 @@ def qmm(x, w, epi=0, res=None):
     y = kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[x.dtype],
              grid=(tokens * NW * 32, weights, 1), threadgroup=(NW * 32, 1, 1))[0]
     return y.reshape(*x.shape[:-1], nout)
+
+
+def head_tickets(H, HKV):
+    """Tickets qmm_head needs for any decode step of up to QMM_MAX_ROWS rows: one per token block
+    and q/k/v head."""
+    return -(-QMM_MAX_ROWS // TOKENS_MAX) * (H + 2 * HKV)
+
+
+def qmm_head(x, w, head_items, arrays, cnt=None):
+    """x [B, L, K] -> q [B, L, H, D]: the QKV projection x @ W^T (+ bias) of a quantised PackedLinear
+    that `takes` x, with the head epilogue of head.py (EPI 3): q/k RMSNorm + RoPE, k/v written into
+    the cache arrays at off[0] + l. head_items: a FastBlock's head description + ("L", L) (+
+    ("lpad", True)); arrays: head.head_inputs(head) by name; cnt: int32 tickets, at least
+    head_tickets(H, HKV), zero (left zero); fresh ones where None."""
+    head = dict(head_items)
+    B, L, K = x.shape
+    M, N = B * L, w.weight.shape[0]
+    H, HKV, D = head["H"], head["HKV"], head["D"]
+    if N != (H + 2 * HKV) * D or D % 32:
+        raise ValueError(f"qmm_head: {N} weight rows are not {H} + 2 x {HKV} heads of {D} (a multiple of 32)")
+    bias = w.bias is not None
+    MT, NW, weights, tokens = qmm_config(M, K, N, w.bits, 3)
+    if cnt is None:
+        cnt = mx.zeros((max(tokens * (H + 2 * HKV), 4),), dtype=mx.int32)
+    kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, 3, bias, tuple(sorted(head_items)))
+    inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
+    inputs += [arrays[n] for n in head_inputs(head)] + [cnt]
+    _, q = kern(inputs=inputs, output_shapes=[(M, N), (B, L, H, D)], output_dtypes=[mx.float32, x.dtype],
+                grid=(tokens * NW * 32, weights, 1), threadgroup=(NW * 32, 1, 1))
+    return q
