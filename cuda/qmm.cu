@@ -27,12 +27,17 @@
 //   3 QKV head ys[m, n] = float(EPI 0's y), then the block that completes a head (atomic ticket per
 //              token block and head: D / 32 weight blocks a head) runs head.cuh over the block's
 //              tokens: q/k RMSNorm + RoPE, q to yq, k/v written into the cache in place
+// EPI 1 with NORM_EPS (the next RMSNorm): also yn[m, n] = T(nw[n] * T(y[m, n] * rsqrt(mean_n y[m, n]^2
+//              + NORM_EPS))), by the block that completes the token block's rows (atomic ticket per
+//              token block over the gridDim.y weight blocks): mx.fast.rms_norm's rounding points
 //
-// Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS;
-// EPI 3: head.cuh's (L, H, HKV, D, ...).
+// Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS,
+// [NORM_EPS]; EPI 3: head.cuh's (L, H, HKV, D, ...).
 // Inputs: x [M, K] (K a multiple of KC), w [N, K*BITS/32] uint32, sc / bi [N, K/GS], [bias [N]],
-// [res [M, N] (EPI 1)]; EPI 3: head.cuh's inputs after qkv, then cnt (zero; left zero).
-// Output: y [M, N] (EPI 2: [M, N/2]); EPI 3: ys [M, N] float32 (scratch), yq [B, L, H, D].
+// [res [M, N] (EPI 1)], [nw [N], cnt (NORM_EPS)]; EPI 3: head.cuh's inputs, then cnt. Tickets cnt
+// zero (left zero).
+// Output: y [M, N] (EPI 2: [M, N/2]), [yn [M, N] (NORM_EPS)]; EPI 3: ys [M, N] float32 (scratch),
+// yq [B, L, H, D].
 
   constexpr int EPT = BITS == 4 ? 32 : 16;   // k per lane per chunk: one uint4 per weight row
   constexpr int KC = 4 * EPT;
@@ -238,6 +243,44 @@
 #endif
   }
 
+#ifdef NORM_EPS
+  // ---- the rows RMS-normalised, by the block that completes them (a warp a row) ----
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* t = const_cast<int*>(cnt) + blockIdx.x;
+    s_last = atomicAdd(t, 1) == (int)gridDim.y - 1;
+    if (s_last) *t = 0;   // reset for the next launch (launches are stream-ordered)
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  constexpr int V = 16 / (int)sizeof(T);   // N is a multiple of 32: rows of whole 16-byte words
+  for (int m = m0 + warp; m < min(m0 + 8 * MT, M); m += NW) {
+    const uint4* row = reinterpret_cast<const uint4*>(y + (size_t)m * N);
+    float ss = 0.f;
+    for (int i = lane; i < N / V; i += 32) {
+      alignas(16) T v[V];
+      *reinterpret_cast<uint4*>(v) = __ldcg(row + i);
+#pragma unroll
+      for (int j = 0; j < V; ++j) ss += static_cast<float>(v[j]) * static_cast<float>(v[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = rsqrtf(ss / N + NORM_EPS);
+    for (int i = lane; i < N / V; i += 32) {
+      alignas(16) T v[V];
+      *reinterpret_cast<uint4*>(v) = __ldcg(row + i);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const T nv = static_cast<T>(static_cast<float>(v[j]) * inv);
+        v[j] = static_cast<T>(static_cast<float>(nw[i * V + j]) * static_cast<float>(nv));
+      }
+      reinterpret_cast<uint4*>(yn + (size_t)m * N)[i] = *reinterpret_cast<const uint4*>(v);
+    }
+  }
+#endif
 #if EPI == 3
   // ---- head epilogue, by the block that completes the head for these tokens ----
   const int hb = blockIdx.y * 32 / D, row0 = m0, MV = min(8 * MT, M - m0);
