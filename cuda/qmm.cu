@@ -256,28 +256,49 @@
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  constexpr int V = 16 / (int)sizeof(T);   // N is a multiple of 32: rows of whole 16-byte words
+  // A warp a row; each lane's 16-byte words of it in chunks of CH, a chunk's loads issued
+  // together (L2 round trips, not one per word, are this tail's time).
+  constexpr int V = 16 / (int)sizeof(T), CH = 8;   // N is a multiple of 32: rows of whole 16-byte words
+  const int words = N / V;
   for (int m = m0 + warp; m < min(m0 + 8 * MT, M); m += NW) {
     const uint4* row = reinterpret_cast<const uint4*>(y + (size_t)m * N);
     float ss = 0.f;
-    for (int i = lane; i < N / V; i += 32) {
-      alignas(16) T v[V];
-      *reinterpret_cast<uint4*>(v) = __ldcg(row + i);
+    for (int i0 = 0; i0 < words; i0 += 32 * CH) {
+      uint4 r[CH];
 #pragma unroll
-      for (int j = 0; j < V; ++j) ss += static_cast<float>(v[j]) * static_cast<float>(v[j]);
+      for (int j = 0; j < CH; ++j) r[j] = __ldcg(row + min(i0 + j * 32 + lane, words - 1));
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        if (i0 + j * 32 + lane >= words) break;
+        const T* v = reinterpret_cast<const T*>(&r[j]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) ss += static_cast<float>(v[e]) * static_cast<float>(v[e]);
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float inv = rsqrtf(ss / N + NORM_EPS);
-    for (int i = lane; i < N / V; i += 32) {
-      alignas(16) T v[V];
-      *reinterpret_cast<uint4*>(v) = __ldcg(row + i);
+    for (int i0 = 0; i0 < words; i0 += 32 * CH) {
+      uint4 r[CH], wn[CH];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const T nv = static_cast<T>(static_cast<float>(v[j]) * inv);
-        v[j] = static_cast<T>(static_cast<float>(nw[i * V + j]) * static_cast<float>(nv));
+      for (int j = 0; j < CH; ++j) {
+        const int i = min(i0 + j * 32 + lane, words - 1);
+        r[j] = __ldcg(row + i);
+        wn[j] = reinterpret_cast<const uint4*>(nw)[i];
       }
-      reinterpret_cast<uint4*>(yn + (size_t)m * N)[i] = *reinterpret_cast<const uint4*>(v);
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int i = i0 + j * 32 + lane;
+        if (i >= words) break;
+        T* v = reinterpret_cast<T*>(&r[j]);
+        const T* g = reinterpret_cast<const T*>(&wn[j]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const T nv = static_cast<T>(static_cast<float>(v[e]) * inv);
+          v[e] = static_cast<T>(static_cast<float>(g[e]) * static_cast<float>(nv));
+        }
+        reinterpret_cast<uint4*>(yn + (size_t)m * N)[i] = r[j];
+      }
     }
   }
 #endif

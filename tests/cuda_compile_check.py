@@ -103,8 +103,9 @@ def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     return wrap(f"gemv_e{epi}_m{M}_b{bits}", src, ins, outs), nw * 32
 
 
-def qmm_case(dtype, M, K, N, bits, epi, bias=False, head=None):
-    """qmm.cu; with a head description, EPI 3 (qmm_head: the QKV projection with the head epilogue)."""
+def qmm_case(dtype, M, K, N, bits, epi, bias=False, head=None, norm=False):
+    """qmm.cu; with a head description, EPI 3 (qmm_head: the QKV projection with the head epilogue);
+    norm: EPI 1's normalised output."""
     T = CTYPE[dtype]
     MT, NW, _, _ = QM.qmm_config(M, K, N // 2 if epi == 2 else N, bits, epi)
     d = dict(BITS=bits, GS=64, MT=MT, NW=NW, EPI=epi, HAS_BIAS=bias, MMA_BF16=dtype == mx.bfloat16)
@@ -117,6 +118,10 @@ def qmm_case(dtype, M, K, N, bits, epi, bias=False, head=None):
                  "after": T, "k_w": "uint32_t", "k_s": T, "k_b": T, "v_w": "uint32_t", "v_s": T, "v_b": T}
         ins += [(n, types[n]) for n in HD.head_inputs(head)] + [("cnt", "int32_t")]
         outs = [("ys", "float"), ("yq", T)]
+    if norm:
+        d["NORM_EPS"] = "1e-06f"
+        ins += [("nw", T), ("cnt", "int32_t")]
+        outs += [("yn", T)]
     return wrap(f"qmm_e{epi}_m{M}_b{bits}", source("qmm.cu", d, dtype), ins, outs), NW * 32
 
 
@@ -223,6 +228,8 @@ def cases():
     for M, head in ((4, {**q06, "H": 32, "lpad": True}), (16, {**q06, "H": 32, "lpad": True}),
                     (8, {**q06, "H": 32, "kv": (8, 64)})):   # Qwen3-4B's QKV with its head
         yield f"qmm head D128 M{M}{' kv8' if 'kv' in head else ''}", qmm_case(bf, M, 2560, 6144, 4, 3, head=head)
+    for M, (K, N) in ((4, (4096, 2560)), (8, (9728, 2560)), (16, (12288, 4096))):   # + the next RMSNorm
+        yield f"qmm e1 norm K{K} M{M}", qmm_case(bf, M, K, N, 4, 1, norm=True)
     yield "qattn fp32", qattn_case(mx.float32, 1, 16, 8, 128, 4, 128, False)
 
 

@@ -113,8 +113,8 @@ NORM_CASES = [  # M, K, N, dtype: epi 1 with the next RMSNorm made by the last b
 @pytest.mark.parametrize("M,K,N,dtype", NORM_CASES)
 def test_qmm_normalised_output_is_rms_norm_of_its_output(M, K, N, dtype, on_gpu):
     """qmm(..., epi=1, norm=(weight, eps)): y as without the norm, bit for bit, and the norm's rows
-    mx.fast.rms_norm(y) at its rounding points, up to the sum of squares' order (a unit in the last
-    place where the two inverse RMS part in their last bit)."""
+    mx.fast.rms_norm(y) at its rounding points, up to the sum of squares' order (where the two
+    inverse RMS part in their last bit, the two roundings after it may move by a unit each)."""
     wq, s, b = mx.quantize(mx.random.normal((N, K)) * 0.5, group_size=64, bits=4)
     w = PackedLinear(wq, s.astype(dtype), b.astype(dtype), None, (N,), K, 4, 64)
     x = mx.random.normal((M, K)).astype(dtype)
@@ -125,6 +125,6 @@ def test_qmm_normalised_output_is_rms_norm_of_its_output(M, K, N, dtype, on_gpu)
     assert mx.array_equal(y, qmm.qmm(x, w, epi=1, res=res))
     want = to64(mx.fast.rms_norm(y, nw, 1e-5))
     got = to64(yn)
-    assert (np.abs(got - want) <= ULP[dtype] * np.abs(want)).all()
+    assert (np.abs(got - want) <= 2 * ULP[dtype] * np.abs(want)).all()
     assert float((got == want).mean()) > 0.99
     assert (np.asarray(cnt) == 0).all()   # left zero for the next call
