@@ -475,7 +475,7 @@
   if (!s_last) return;
   __threadfence();
 
-  const int row0 = 0;
+  const int row0 = 0, MV = M;
   auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)m * N + hb * D + d); };
 #include "head.cuh"
 #endif

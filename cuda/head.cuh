@@ -1,4 +1,4 @@
-// One head's epilogue of a QKV projection, for M activation rows from row0 (b = row / L, l = row % L):
+// One head's epilogue of a QKV projection, for MV activation rows from row0 (b = row / L, l = row % L):
 // q/k RMSNorm (HAS_QKNORM, eps QEPS / KEPS) + RoPE at position off[0] + l (LEFT_PAD: minus lp[b]),
 // with stock's rounding points (projection -> T, norm -> T, weight mul -> T, rope in fp32 with
 // precise cos/sin -> T). q goes to yq [B, L, H, D]; k and v are written IN PLACE into the cache
@@ -7,11 +7,11 @@
 // KV_BITS (a quantised cache, mlx-lm's QuantizedKVCache layout): k and v are quantised as
 // mx.quantize does (kv_quantize.cuh) into k_w/k_s/k_b and v_w/v_s/v_b [B, Hkv, S, D * KV_BITS / 32
 // or D / KV_GS] at position off[0] + l, instead of kc/vc.
-// Included by gemv.cu (EPI 3) and head.cu. In scope: hb (the head over q, k, v heads), warp, lane,
-// row0, head_in(m, d) (row row0 + m's projection output at column hb * D + d, as a float), and the
-// defines and inputs named above.
+// Included by gemv.cu and qmm.cu (EPI 3). In scope: hb (the head over q, k, v heads), warp, lane,
+// row0, M (rows of the shared buffer), MV (the rows that exist, at most M), head_in(m, d) (row
+// row0 + m's projection output at column hb * D + d, as a float), and the defines and inputs named above.
   __shared__ float s_y[M][D];
-  for (int e = threadIdx.x; e < M * D; e += NW * 32) {
+  for (int e = threadIdx.x; e < MV * D; e += NW * 32) {
     const int m = e / D, d = e % D;
     s_y[m][d] = head_in(m, d);
   }
@@ -26,7 +26,7 @@
 #endif
   if (kind < 2) {
     // one warp per activation row: (norm) + rope
-    for (int m = warp; m < M; m += NW) {
+    for (int m = warp; m < MV; m += NW) {
       const int b = (row0 + m) / L, l = (row0 + m) % L;
 #ifdef LEFT_PAD
       const int pos = pos0 + l - lp[b];   // RoPE at the row's own position (its cache offset)
@@ -100,13 +100,13 @@
     }
   } else {
 #ifdef KV_BITS
-    for (int m = warp; m < M; m += NW) {
+    for (int m = warp; m < MV; m += NW) {
       const int b = (row0 + m) / L, l = (row0 + m) % L;
       kv_quantize_row(s_y[m], const_cast<uint32_t*>(v_w) + at(v_w_strides, b, l),
                       const_cast<T*>(v_s) + at(v_s_strides, b, l), const_cast<T*>(v_b) + at(v_b_strides, b, l));
     }
 #else
-    for (int e = threadIdx.x; e < M * D; e += NW * 32) {
+    for (int e = threadIdx.x; e < MV * D; e += NW * 32) {
       const int m = e / D, d = e % D;
       const int b = (row0 + m) / L, l = (row0 + m) % L;
       const_cast<T*>(vc)[b * vc_strides[0] + head * vc_strides[1] + (pos0 + l) * vc_strides[2] + d] =

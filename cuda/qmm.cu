@@ -24,11 +24,20 @@
 //   0 plain    y[m, n] = T(acc)                 (+ bias: T(T(acc) + bias[n]))
 //   1 residual y[m, n] = T(res[m, n] + T(acc))  (o_proj / down_proj + the residual add)
 //   2 swiglu   y[m, j] = T(T(T(g) * T(sigmoid(g))) * T(acc_up)), g = T(acc_gate), gate row j, up row j + N/2
+//   3 QKV head ys[m, n] = float(EPI 0's y), then the block that completes a head (atomic ticket per
+//              token block and head: D / 32 weight blocks a head) runs head.cuh over the block's
+//              tokens: q/k RMSNorm + RoPE, q to yq, k/v written into the cache in place
+// EPI 1 with NORM_EPS (the next RMSNorm): also yn[m, n] = T(nw[n] * T(y[m, n] * rsqrt(mean_n y[m, n]^2
+//              + NORM_EPS))), by the block that completes the token block's rows (atomic ticket per
+//              token block over the gridDim.y weight blocks): mx.fast.rms_norm's rounding points
 //
-// Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS.
+// Defines: T, BITS (4/8), GS (32/64/128), MT (token tiles of 8 per block), NW, EPI, HAS_BIAS,
+// [NORM_EPS]; EPI 3: head.cuh's (L, H, HKV, D, ...).
 // Inputs: x [M, K] (K a multiple of KC), w [N, K*BITS/32] uint32, sc / bi [N, K/GS], [bias [N]],
-// [res [M, N] (EPI 1)].
-// Output: y [M, N] (EPI 2: [M, N/2]).
+// [res [M, N] (EPI 1)], [nw [N], cnt (NORM_EPS)]; EPI 3: head.cuh's inputs, then cnt. Tickets cnt
+// zero (left zero).
+// Output: y [M, N] (EPI 2: [M, N/2]), [yn [M, N] (NORM_EPS)]; EPI 3: ys [M, N] float32 (scratch),
+// yq [B, L, H, D].
 
   constexpr int EPT = BITS == 4 ? 32 : 16;   // k per lane per chunk: one uint4 per weight row
   constexpr int KC = 4 * EPT;
@@ -226,6 +235,90 @@
 #if EPI == 1
     out = static_cast<T>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(out));
 #endif
+#if EPI == 3
+    ys[(size_t)m * N + n] = static_cast<float>(out);
+#else
     y[(size_t)m * N + n] = out;
 #endif
+#endif
   }
+
+#ifdef NORM_EPS
+  // ---- the rows RMS-normalised, by the block that completes them (a warp a row) ----
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* t = const_cast<int*>(cnt) + blockIdx.x;
+    s_last = atomicAdd(t, 1) == (int)gridDim.y - 1;
+    if (s_last) *t = 0;   // reset for the next launch (launches are stream-ordered)
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // A warp a row; each lane's 16-byte words of it in chunks of CH, a chunk's loads issued
+  // together (L2 round trips, not one per word, are this tail's time).
+  constexpr int V = 16 / (int)sizeof(T), CH = 8;   // N is a multiple of 32: rows of whole 16-byte words
+  const int words = N / V;
+  for (int m = m0 + warp; m < min(m0 + 8 * MT, M); m += NW) {
+    const uint4* row = reinterpret_cast<const uint4*>(y + (size_t)m * N);
+    float ss = 0.f;
+    for (int i0 = 0; i0 < words; i0 += 32 * CH) {
+      uint4 r[CH];
+#pragma unroll
+      for (int j = 0; j < CH; ++j) r[j] = __ldcg(row + min(i0 + j * 32 + lane, words - 1));
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        if (i0 + j * 32 + lane >= words) break;
+        const T* v = reinterpret_cast<const T*>(&r[j]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) ss += static_cast<float>(v[e]) * static_cast<float>(v[e]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = rsqrtf(ss / N + NORM_EPS);
+    for (int i0 = 0; i0 < words; i0 += 32 * CH) {
+      uint4 r[CH], wn[CH];
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int i = min(i0 + j * 32 + lane, words - 1);
+        r[j] = __ldcg(row + i);
+        wn[j] = reinterpret_cast<const uint4*>(nw)[i];
+      }
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int i = i0 + j * 32 + lane;
+        if (i >= words) break;
+        T* v = reinterpret_cast<T*>(&r[j]);
+        const T* g = reinterpret_cast<const T*>(&wn[j]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const T nv = static_cast<T>(static_cast<float>(v[e]) * inv);
+          v[e] = static_cast<T>(static_cast<float>(g[e]) * static_cast<float>(nv));
+        }
+        reinterpret_cast<uint4*>(yn + (size_t)m * N)[i] = r[j];
+      }
+    }
+  }
+#endif
+#if EPI == 3
+  // ---- head epilogue, by the block that completes the head for these tokens ----
+  const int hb = blockIdx.y * 32 / D, row0 = m0, MV = min(8 * MT, M - m0);
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* t = const_cast<int*>(cnt) + blockIdx.x * (H + 2 * HKV) + hb;
+    s_last = atomicAdd(t, 1) == D / 32 - 1;
+    if (s_last) *t = 0;   // reset for the next launch (launches are stream-ordered)
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  {
+    constexpr int M = 8 * MT;   // head.cuh's rows (MV of them exist)
+    auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)(row0 + m) * N + hb * D + d); };
+#include "head.cuh"
+  }
+#endif

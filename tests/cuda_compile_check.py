@@ -103,21 +103,26 @@ def gemv_case(dtype, M, K, N, bits, gs, epi, norm, bias, res, head=None):
     return wrap(f"gemv_e{epi}_m{M}_b{bits}", src, ins, outs), nw * 32
 
 
-def qmm_case(dtype, M, K, N, bits, epi, bias=False):
+def qmm_case(dtype, M, K, N, bits, epi, bias=False, head=None, norm=False):
+    """qmm.cu; with a head description, EPI 3 (qmm_head: the QKV projection with the head epilogue);
+    norm: EPI 1's normalised output."""
     T = CTYPE[dtype]
     MT, NW, _, _ = QM.qmm_config(M, K, N // 2 if epi == 2 else N, bits, epi)
     d = dict(BITS=bits, GS=64, MT=MT, NW=NW, EPI=epi, HAS_BIAS=bias, MMA_BF16=dtype == mx.bfloat16)
     ins = [("x", T), ("w", "uint32_t"), ("sc", T), ("bi", T)] + ([("bias", T)] if bias else [])
     ins += [("res", T)] if epi == 1 else []
-    return wrap(f"qmm_e{epi}_m{M}_b{bits}", source("qmm.cu", d, dtype), ins, [("y", T)]), NW * 32
-
-
-def head_case(dtype, head):
-    T = CTYPE[dtype]
-    types = {"qkv": T, "qn": T, "kn": T, "off": "int32_t", "lp": "int32_t", "rf": "float", "kc": T, "vc": T,
-             "after": T, "k_w": "uint32_t", "k_s": T, "k_b": T, "v_w": "uint32_t", "v_s": T, "v_b": T}
-    ins = [(n, types[n]) for n in HD.head_inputs(head)]
-    return wrap(f"head_d{head['D']}", source("head.cu", HD.head_defines(head), dtype), ins, [("yq", T)]), 32
+    outs = [("y", T)]
+    if head is not None:
+        d.update(HD.head_defines(head))
+        types = {"qn": T, "kn": T, "off": "int32_t", "lp": "int32_t", "rf": "float", "kc": T, "vc": T,
+                 "after": T, "k_w": "uint32_t", "k_s": T, "k_b": T, "v_w": "uint32_t", "v_s": T, "v_b": T}
+        ins += [(n, types[n]) for n in HD.head_inputs(head)] + [("cnt", "int32_t")]
+        outs = [("ys", "float"), ("yq", T)]
+    if norm:
+        d["NORM_EPS"] = "1e-06f"
+        ins += [("nw", T), ("cnt", "int32_t")]
+        outs += [("yn", T)]
+    return wrap(f"qmm_e{epi}_m{M}_b{bits}", source("qmm.cu", d, dtype), ins, outs), NW * 32
 
 
 def attn_case(dtype, L, H, HKV, D):
@@ -220,8 +225,11 @@ def cases():
         for epi, (K, N) in ((0, (2560, 6144)), (1, (4096, 2560)), (2, (2560, 19456)), (1, (9728, 2560))):
             yield f"qmm e{epi} K{K} M{M}", qmm_case(bf, M, K, N, 4, epi)
     yield "qmm 8-bit bias f16", qmm_case(f16, 12, 1024, 1024, 8, 0, True)
-    yield "head D128 lpad", head_case(bf, {**q06, "H": 32, "lpad": True})
-    yield "head D128 kv8", head_case(bf, {**q06, "H": 32, "kv": (8, 64)})
+    for M, head in ((4, {**q06, "H": 32, "lpad": True}), (16, {**q06, "H": 32, "lpad": True}),
+                    (8, {**q06, "H": 32, "kv": (8, 64)})):   # Qwen3-4B's QKV with its head
+        yield f"qmm head D128 M{M}{' kv8' if 'kv' in head else ''}", qmm_case(bf, M, 2560, 6144, 4, 3, head=head)
+    for M, (K, N) in ((4, (4096, 2560)), (8, (9728, 2560)), (16, (12288, 4096))):   # + the next RMSNorm
+        yield f"qmm e1 norm K{K} M{M}", qmm_case(bf, M, K, N, 4, 1, norm=True)
     yield "qattn fp32", qattn_case(mx.float32, 1, 16, 8, 128, 4, 128, False)
 
 

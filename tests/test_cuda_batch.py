@@ -171,7 +171,7 @@ def test_calls_the_compiled_step_takes(max_rows, B, L, taken):
     assert cuda_step._Step(None, [], None, max_rows).takes(B, L) is taken
 
 
-WIDE = "decode steps of 9-64 rows: 8 launches a layer"
+WIDE = "decode steps of 9-64 rows: 5 launches a layer"
 # (the tuner's `prefill` decision: kept, above, upto; the user's disable; the compiled step's decode
 # rows; the QKV note; the head's note)
 TUNED_PREFILL = [

@@ -1,8 +1,10 @@
-"""The head kernel (cuda/head.cu: q/k RMSNorm + RoPE, k/v written into the cache in place) called
-directly, against MLX's own ops on the same rows: mx.fast.rms_norm, mx.fast.rope at each row's
-position (off + l, minus the row's left padding over a batch cache), the cache buffers' other
-positions untouched (poisoned beforehand). q and k within 2 units in the last place of the head's
-largest value (both RoPEs are fp32 with precise cos/sin; theta may differ in its last bits), v exact.
+"""The QKV projection's head epilogue (cuda/head.cuh: q/k RMSNorm + RoPE, k/v written into the
+cache in place) as qmm's EPI 3 (qmm.qmm_head, FastBlock.wide's QKV), against MLX's own ops on the
+projection's rows (qmm's EPI 0 output for the same x and weights, which EPI 3 computes alike):
+mx.fast.rms_norm, mx.fast.rope at each row's position (off + l, minus the row's left padding over a
+batch cache), the cache buffers' other positions untouched (poisoned beforehand). q and k within 2
+units in the last place of the head's largest value (both RoPEs are fp32 with precise cos/sin; theta
+may differ in its last bits), v exact. Over 16 rows the tokens span several blocks of the grid.
 
 On a GPU: `pytest -m cuda`; elsewhere through the CPU emulator of tests/cuda_emu.
 """
@@ -13,16 +15,31 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_fastops.backends.cuda.head import head_rows
+from mlx_fastops.backends.cuda.qmm import qmm, qmm_head
 from mlx_fastops.backends.cuda.source import PAD_WORDS, offset_array
+from mlx_fastops.ops.weights import PackedLinear
 
 pytestmark = [pytest.mark.cuda]
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
 ULP = {F16: 2 ** -10, BF16: 2 ** -7}
+K = 256   # the projection's input features: two of qmm's 4-bit chunks
+
+
+def projection(B, L, N, dtype, bias=None):
+    """x [B, L, K] and a 4-bit QKV weight of N rows (+ bias [N]), and the rows qmm projects them to
+    [B, L, N]."""
+    wq, s, b = mx.quantize(mx.random.normal((N, K)) * 0.3, group_size=64, bits=4)
+    w = PackedLinear(wq, s.astype(dtype), b.astype(dtype), None if bias is None else bias.astype(dtype), (N,), K, 4, 64)
+    x = mx.random.normal((B, L, K)).astype(dtype)
+    qkv = qmm(x, w)
+    mx.eval(x, qkv)
+    return x, w, qkv
+
 
 CASES = [  # B, L, H, HKV, D, q/k norm, rope frequencies given, traditional, left padding, dtype
     (9, 1, 4, 2, 64, True, False, False, (0, 3, 1, 0, 5, 2, 0, 0, 7), BF16),   # Qwen3, a batch cache
-    (17, 1, 8, 2, 128, True, False, False, None, F16),
+    (17, 1, 8, 2, 128, True, False, False, None, F16),             # two token blocks, the second of 1 row
+    (20, 1, 4, 2, 128, True, False, False, tuple(range(20)), BF16),  # a batch cache over two token blocks
     (5, 3, 4, 4, 64, False, True, False, (2, 0, 1, 0, 4), BF16),   # Llama 3 (frequencies), 3 tokens a row
     (12, 1, 6, 2, 64, False, False, True, None, BF16),             # traditional RoPE, no norm
     (3, 2, 2, 1, 256, True, False, False, (1, 0, 2), F16),          # head_dim 256, GQA 2
@@ -40,11 +57,11 @@ def _rope(x, pos, D, trad, base, scale, freqs):
 def test_head_matches_mlx_ops(B, L, H, HKV, D, qknorm, with_freqs, trad, lpad, dtype, on_gpu):
     base, scale, qeps, keps, S, off = 1e6, 1.0, 1e-6, 0.5, 48, 29   # epsilons apart enough to tell
     N = (H + 2 * HKV) * D
-    qkv = (3 * mx.random.normal((B, L, N))).astype(dtype)
+    x, w, qkv = projection(B, L, N, dtype, None if qknorm else 0.5 * mx.random.normal((N,)))   # a bias: Qwen2
     qn, kn = (1 + 0.2 * mx.random.normal((D,))).astype(dtype), (1 + 0.2 * mx.random.normal((D,))).astype(dtype)
     freqs = (base ** (mx.arange(0, D, 2) / D) * (1 + mx.arange(D // 2) / D)).astype(F32) if with_freqs else None
     kc, vc = mx.full((B, HKV, S, D), 7e3, dtype), mx.full((B, HKV, S, D), -7e3, dtype)   # poison
-    mx.eval(qkv, qn, kn, kc, vc)
+    mx.eval(qn, kn, kc, vc)
     head = (("D", D), ("H", H), ("HKV", HKV), ("freqs", with_freqs), ("keps", keps), ("log2_base", math.log2(base)),
             ("qeps", qeps), ("qknorm", qknorm), ("scale", scale), ("trad", trad), ("L", L))
     arrays = dict(off=offset_array(off), kc=kc, vc=vc, after=kc)
@@ -55,7 +72,7 @@ def test_head_matches_mlx_ops(B, L, H, HKV, D, qknorm, with_freqs, trad, lpad, d
     if lpad is not None:
         head += (("lpad", True),)
         arrays["lp"] = mx.array(list(lpad) + [0] * max(0, PAD_WORDS - B), dtype=mx.int32)
-    q = head_rows(qkv, head, arrays)
+    q = qmm_head(x, w, head, arrays)
     mx.eval(q)
     got_q, got_k, got_v = (np.asarray(a.astype(F32)) for a in (q, kc, vc))
 
@@ -122,21 +139,21 @@ def test_head_quantises_into_the_cache(B, L, H, HKV, D, qknorm, dtype, bits, gro
     positions untouched. Some value groups are all negative (the CUDA rule's maximum starts at 0)."""
     S, off = 40, 21
     N = (H + 2 * HKV) * D
-    qkv = (3 * mx.random.normal((B, L, N))).astype(dtype)
     negative = (mx.arange(N) >= (H + HKV) * D) & ((mx.arange(N) // group) % 3 == 1)   # some v groups
-    qkv = mx.where(negative, -mx.abs(qkv) - 0.25, qkv).astype(dtype)
+    x, w, qkv = projection(B, L, N, dtype, mx.where(negative, -100.0, 0.0))   # |rows| < 100 at K = 256
+    assert (np.asarray(qkv.astype(F32)).reshape(-1, N)[:, np.asarray(negative)] < 0).all()
     qn, kn = (1 + 0.2 * mx.random.normal((D,))).astype(dtype), (1 + 0.2 * mx.random.normal((D,))).astype(dtype)
     head = (("D", D), ("H", H), ("HKV", HKV), ("freqs", False), ("keps", 1e-6), ("log2_base", math.log2(1e6)),
             ("qeps", 1e-6), ("qknorm", qknorm), ("scale", 1.0), ("trad", False), ("L", L))
     norms = dict(qn=qn, kn=kn) if qknorm else {}
     kc, vc = mx.zeros((B, HKV, S, D), dtype), mx.zeros((B, HKV, S, D), dtype)
-    q_float = head_rows(qkv, head, dict(off=offset_array(off), kc=kc, vc=vc, after=kc, **norms))
+    q_float = qmm_head(x, w, head, dict(off=offset_array(off), kc=kc, vc=vc, after=kc, **norms))
     mx.eval(q_float)
     poison = lambda w, t: mx.full((B, HKV, S, w), 77, t)
     packed = {f"{kv}_{part}": poison(w, t) for kv in "kv"
               for part, w, t in (("w", D * bits // 32, mx.uint32), ("s", D // group, dtype), ("b", D // group, dtype))}
     mx.eval(*packed.values())
-    q = head_rows(qkv, head + (("kv", (bits, group)),), dict(off=offset_array(off), after=qkv, **packed, **norms))
+    q = qmm_head(x, w, head + (("kv", (bits, group)),), dict(off=offset_array(off), after=qkv, **packed, **norms))
     mx.eval(q)
     assert mx.array_equal(q, q_float)
     for kv, rows in (("k", kc), ("v", vc)):

@@ -77,12 +77,13 @@ def test_calls_in_flight_are_bounded(transform):
     assert mx.array_equal(y, x @ prefill.dense(w).T)
 
 
-@pytest.mark.parametrize("M,paths", [(8, ["gemv"] * 3 + ["stock"]), (9, ["qmm"] * 4),
+@pytest.mark.parametrize("M,paths", [(1, ["gemv"] * 3 + ["stock"]), (2, ["gemv", "gemv", "qmm", "stock"]),
+                                     (8, ["gemv", "gemv", "qmm", "stock"]), (9, ["qmm"] * 4),
                                      (64, ["qmm"] * 4), (65, ["stock"] * 4), (511, ["stock"] * 4),
                                      (512, ["dense", "dense", "stock", "dense"])])
 def test_rows_pick_the_path(M, paths, monkeypatch):
-    """Up to MAX_ROWS rows the GEMV kernel (not for linear: o_proj / down), then up to
-    QMM_MAX_ROWS the tensor-core qmm, then stock quantized_matmul, from PREFILL_MIN_ROWS the dense
+    """Up to MAX_ROWS rows the GEMV kernel (not for linear: o_proj / down; lm_head only at one row),
+    then up to QMM_MAX_ROWS the tensor-core qmm, then stock quantized_matmul, from PREFILL_MIN_ROWS the dense
     prefill path, for QKV, gate/up and linear (lm_head's prefill stays stock: its output is the whole
     vocabulary a row): seen by which of the four functions each op calls."""
     seen, stock = [], reference.linear

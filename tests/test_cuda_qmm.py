@@ -101,3 +101,30 @@ def test_which_calls_qmm_takes(xd, rows, K, bits, gs, wd, taken):
 @pytest.mark.parametrize("out, taken", [(65535 * 32, True), (65535 * 32 + 1, False)])   # grid y: 65535 blocks
 def test_qmm_takes_weights_of_at_most_65535_row_blocks(out, taken):
     assert qmm.takes(*_linear(BF16, 9, 256, out=out)) is taken
+
+
+NORM_CASES = [  # M, K, N, dtype: epi 1 with the next RMSNorm made by the last block of each 16 tokens
+    (4, 256, 640, BF16),      # one token block over 20 weight blocks
+    (20, 384, 96, F16),       # two token blocks, the second of 4 rows
+    (33, 256, 4096, BF16),    # three, the last of 1 row; a hidden size of Qwen3-8B
+]
+
+
+@pytest.mark.parametrize("M,K,N,dtype", NORM_CASES)
+def test_qmm_normalised_output_is_rms_norm_of_its_output(M, K, N, dtype, on_gpu):
+    """qmm(..., epi=1, norm=(weight, eps)): y as without the norm, bit for bit, and the norm's rows
+    mx.fast.rms_norm(y) at its rounding points, up to the sum of squares' order (where the two
+    inverse RMS part in their last bit, the two roundings after it may move by a unit each)."""
+    wq, s, b = mx.quantize(mx.random.normal((N, K)) * 0.5, group_size=64, bits=4)
+    w = PackedLinear(wq, s.astype(dtype), b.astype(dtype), None, (N,), K, 4, 64)
+    x = mx.random.normal((M, K)).astype(dtype)
+    res = (4 * mx.random.normal((M, N))).astype(dtype)
+    nw = (1 + 0.2 * mx.random.normal((N,))).astype(dtype)
+    cnt = mx.zeros((4,), dtype=mx.int32)
+    y, yn = qmm.qmm(x, w, epi=1, res=res, norm=(nw, 1e-5), cnt=cnt)
+    assert mx.array_equal(y, qmm.qmm(x, w, epi=1, res=res))
+    want = to64(mx.fast.rms_norm(y, nw, 1e-5))
+    got = to64(yn)
+    assert (np.abs(got - want) <= 2 * ULP[dtype] * np.abs(want)).all()
+    assert float((got == want).mean()) > 0.99
+    assert (np.asarray(cnt) == 0).all()   # left zero for the next call

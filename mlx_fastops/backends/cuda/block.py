@@ -1,5 +1,5 @@
 """FastBlock: one decoder block's fused decode path: layer.py's one launch for up to MAX_ROWS rows,
-eight launches (`wide`, qmm on tensor cores) from wide_from to QMM_MAX_ROWS rows (batched decode)."""
+five launches (`wide`, qmm on tensor cores) from wide_from to QMM_MAX_ROWS rows (batched decode)."""
 
 import math
 
@@ -9,9 +9,9 @@ import mlx.nn as nn
 from ...ops.weights import PackedLinear, adapter_of
 from .attention import MAX_GQA, attention, head_subgroup
 from .cache import StaticKVCache, StaticQuantizedKVCache
-from .head import cache_inputs, head_rows
+from .head import cache_inputs
 from .layer import LAYER_GROUPS, layers_launch
-from .qmm import QMM_MAX_ROWS, qmm, takes_weight
+from .qmm import QMM_MAX_ROWS, head_tickets, norm_tickets, qmm, qmm_head, takes_weight
 from .source import HALF, MAX_ROWS, offset_array, tickets
 
 # Several layers per launch (step.launch_runs) win on small layers (Qwen3-0.6B 15M weights per
@@ -73,9 +73,9 @@ class FastBlock:
                      ("log2_base", math.log2(base)), ("qeps", float(attn._q_norm.eps) if self.qknorm else 0.0),
                      ("qknorm", self.qknorm), ("scale", float(rope.scale)), ("trad", bool(rope.traditional)))
         self.K = self.qkv.in_features
-        # this block's own tickets (head kernel: one per q/k/v head; attention: per row, kv head
-        # and head subgroup)
-        self.head_tickets = tickets(self.H + 2 * self.HKV)
+        # this block's own tickets (the QKV head epilogue: per q/k/v head and token block of `wide`;
+        # attention: per row, kv head and head subgroup)
+        self.head_tickets = tickets(head_tickets(self.H, self.HKV))
         self.attn_tickets = tickets(MAX_ROWS * self.H)
         self._counters = {}   # layer launches' group counters, per layers per launch
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
@@ -84,6 +84,7 @@ class FastBlock:
         self.wide_rows = QMM_MAX_ROWS if all(takes_weight(w, self.dtype) for w in (self.qkv, self.o, self.gate_up,
                                                                                   self.down)) else MAX_ROWS
         self.wide_tickets = tickets(QMM_MAX_ROWS * self.H) if self.wide_rows > MAX_ROWS else None
+        self.norm_tickets = tickets(norm_tickets()) if self.wide_rows > MAX_ROWS else None
         self.wide_from = wide_from(self.weights)
         self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
@@ -143,19 +144,25 @@ class FastBlock:
         `after` (the previous reader: bufs' last)."""
         return layers_launch([self], x, off, [bufs])
 
-    def wide(self, x, off, kc, vc, after, lp=None):
-        """core() for a decode step (L = 1) of wide_from to wide_rows rows: input RMSNorm, QKV on
-        tensor cores (qmm), q/k norm + RoPE + the k/v cache write (head.cu), attention
-        (attention.cu), o_proj + residual (qmm), post-attention RMSNorm, gate/up + SiLU (qmm), down
-        + residual (qmm): the composed ops' rounding points, eight launches. lp: a batch cache's
-        left padding."""
+    def wide(self, x, xn, next_norm, off, kc, vc, after, lp=None):
+        """core() for a decode step (L = 1) of wide_from to wide_rows rows, from x and xn (x through
+        this block's input RMSNorm: the previous block's down made it): QKV on tensor cores with
+        q/k norm + RoPE + the k/v cache write in its epilogue (qmm_head), attention (attention.cu),
+        o_proj + residual with the post-attention RMSNorm of its rows (qmm), gate/up + SiLU (qmm),
+        down + residual with next_norm's (the next block's input RMSNorm (weight, eps), or the
+        final norm's; None: none): the composed ops' rounding points, five launches. Returns
+        (output, output normalised or None, the attention output). lp: a batch cache's left
+        padding."""
         B, L, _ = x.shape
         head = self.head + (("L", L),) + ((("lpad", True),) if lp is not None else ())
         arrays = dict(off=off, lp=lp, kc=kc, vc=vc, after=after, **self.head_arrays())
-        q = head_rows(qmm(mx.fast.rms_norm(x, *self.in_norm), self.qkv), head, arrays)
+        q = qmm_head(xn, self.qkv, head, arrays, self.head_tickets)
         o = attention(q, kc, vc, off, self.scale, cnt=self.wide_tickets, gb=self.gb, lp=lp)
-        h = qmm(o.reshape(B, L, -1), self.o, epi=1, res=x)
-        return qmm(qmm(mx.fast.rms_norm(h, *self.post_norm), self.gate_up, epi=2), self.down, epi=1, res=h), o
+        h, hn = qmm(o.reshape(B, L, -1), self.o, epi=1, res=x, norm=self.post_norm, cnt=self.norm_tickets)
+        g = qmm(hn, self.gate_up, epi=2)
+        if next_norm is None:
+            return qmm(g, self.down, epi=1, res=h), None, o
+        return (*qmm(g, self.down, epi=1, res=h, norm=next_norm, cnt=self.norm_tickets), o)
 
     def layer_counters(self, nlayers):
         """Zeroed group counters of a launch of nlayers layers led by this block (left zero)."""

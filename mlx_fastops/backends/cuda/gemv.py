@@ -3,10 +3,10 @@
     y[m, n] = sum_k x[m, k] * (s[n, k / GS] * q[n, k] + b[n, k / GS])     (MLX affine format)
 
 Epilogues (EPI): 0 plain (+ bias), 1 + residual, 2 SiLU(gate) * up, 3 the QKV head (q/k norm, RoPE,
-k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj,
-gate_up_silu and lm_head run EPI 0 / 2 for up to MAX_ROWS rows; their other row counts and
-linear's go elsewhere (`linear`, `lm_head` below: tensor cores, dense prefill, stock). Per call the
-kernel is picked by its static shape class (dtype, rows, bits, group size, epilogue); K and N are
+k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj
+and gate_up_silu run EPI 0 / 2 for up to MAX_ROWS rows, lm_head EPI 0 for one row (and 2-8 that
+qmm does not take); their other row counts and linear's go elsewhere (`linear`, `lm_head` below:
+tensor cores, dense prefill, stock). Per call the kernel is picked by its static shape class (dtype, rows, bits, group size, epilogue); K and N are
 read from the weight's shape at run time.
 """
 
@@ -23,6 +23,7 @@ from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 RESIDENT_BLOCKS = 4 * 132
 ONE_WAVE_MIN_K = 2048   # rows this long take more rows per warp rather than a second wave
 ACCUMULATORS_MAX = 8   # per lane, beside 8- or 16-byte loads of 2-4 rows: weight rows per warp x rows
+HEAD_QMM_FROM = 2   # lm_head rows from which the tensor-core qmm takes over from the GEMV (lm_head below)
 
 
 def lane_elems(bits, vec):
@@ -240,12 +241,14 @@ def gate_up_silu(x, w):
 
 
 def lm_head(x, w):
-    # 9-64 rows (batched decode) on tensor cores: stock quantized_matmul is slow there (half of a
-    # 32-row Qwen3-4B step on the H200: docs/cuda-design.md). Prefill stays stock: the output is the
-    # whole vocabulary for every prompt row, and a transient dense weight of the vocabulary is
-    # larger than any layer's.
+    # 2-64 rows (batched decode) on tensor cores: the GEMV's per-row work grows with the rows (H200,
+    # GPU time per call at 2 / 4 / 8 rows, GEMV vs qmm: Qwen3-0.6B's head 74 / 103 / 219 vs 48 / 50 /
+    # 52 us, Qwen3-8B's 246 / 405 / 761 vs 214 / 219 / 225; at 1 row the GEMV's 46 / 144 vs 48 / 207),
+    # and stock quantized_matmul is slower still from 9 (half of a 32-row Qwen3-4B step:
+    # docs/cuda-design.md). Prefill stays stock: the output is the whole vocabulary for every
+    # prompt row, and a transient dense weight of the vocabulary is larger than any layer's.
     M = rows(x)
-    if M > MAX_ROWS and qmm.takes(x, w):
+    if M >= HEAD_QMM_FROM and qmm.takes(x, w):
         return qmm.qmm(x, w)
     if not w.quantized or M > MAX_ROWS or x.dtype != w.scales.dtype:
         return reference.lm_head(x, w)

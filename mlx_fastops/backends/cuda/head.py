@@ -1,5 +1,5 @@
-"""q/k RMSNorm + RoPE and the cache write of a QKV projection's rows (cuda/head.cu): the epilogue
-of the decode GEMV's EPI 3 (cuda/head.cuh) as a launch of its own, after qmm's rows (FastBlock.wide).
+"""The head epilogue of a QKV projection (cuda/head.cuh): the decode GEMV's EPI 3 inside the
+one-launch layer, and qmm's EPI 3 (qmm.qmm_head, FastBlock.wide).
 
     q[b, l, h] = rope(norm_q(qkv[b, l, q_h]), p),  k likewise into kc[b, :, off + l],
     v[b, l, h] = qkv[b, l, v_h] into vc[b, :, off + l],   p = off + l (- left padding of row b)
@@ -10,10 +10,7 @@ norm_q, norm_k: the q/k RMSNorm where the model has one (Qwen3). The k/v rows ar
 cache buffers in place (MLX does not see it): the kernel takes the buffers' last reader as an input.
 """
 
-import mlx.core as mx
-
-from ...kernels import cached_builder, cuda_kernel
-from .source import flt, kernel_name, source
+from .source import flt
 
 
 def head_defines(head):
@@ -35,26 +32,7 @@ def cache_inputs(head):
 
 
 def head_inputs(head):
-    names = ["qkv"] + (["qn", "kn"] if head["qknorm"] else []) + ["off"]
+    """The epilogue's inputs beside the projection, in qmm_head's order: q/k norm weights, offsets,
+    left padding, RoPE frequencies, the cache arrays, their last reader."""
+    names = (["qn", "kn"] if head["qknorm"] else []) + ["off"]
     return names + (["lp"] if head.get("lpad") else []) + (["rf"] if head["freqs"] else []) + cache_inputs(head) + ["after"]
-
-
-@cached_builder
-def _head_build(dtype, head_items):
-    head = dict(head_items)
-    src = source("head.cu", head_defines(head), dtype)
-    return cuda_kernel(name=kernel_name("head", src), input_names=head_inputs(head), output_names=["yq"],
-                       source=src, ensure_row_contiguous=False)
-
-
-def head_rows(qkv, head_items, arrays):
-    """qkv [B, L, (H + 2 Hkv) * D] (contiguous) -> q [B, L, H, D]; writes k/v into the cache arrays
-    (cache_inputs(head): arrays["kc"] / arrays["vc"], or a quantised cache's) at off[0] + l. head_items: a FastBlock's head description + ("L", L) (+ ("lpad",
-    True) over a batch cache); arrays: the other inputs of head_inputs by name."""
-    head = dict(head_items)
-    B, L, _ = qkv.shape
-    H, HKV = head["H"], head["HKV"]
-    kern = _head_build(qkv.dtype, tuple(sorted(head_items)))
-    inputs = [qkv if n == "qkv" else arrays[n] for n in head_inputs(head)]
-    return kern(inputs=inputs, output_shapes=[(B, L, H, head["D"])], output_dtypes=[qkv.dtype],
-                grid=((H + 2 * HKV) * 32, B * L, 1), threadgroup=(32, 1, 1))[0]

@@ -5,6 +5,8 @@ More rows go to stock quantized_matmul, and from PREFILL_MIN_ROWS (but lm_head's
 path (prefill.py).
 
     y = x @ (s * q + b)^T  (+ bias)          EPI 1: res + that;  EPI 2: swiglu(gate rows, up rows)
+    EPI 3 (qmm_head): the QKV projection's y, then head.py's epilogue on it: q/k RMSNorm + RoPE,
+    k/v written into the cache
 
 On these rows a GEMM is a weight read: MLX's quantized_matmul reaches 1-81 TFLOP/s on the H200,
 dequantise + dense matmul less (benchmarks/results/cuda_prefill.md). Here one weight read serves
@@ -15,7 +17,8 @@ weights at the same time, from L2.
 import mlx.core as mx
 
 from ...kernels import cached_builder, cuda_kernel
-from .source import HALF, kernel_name, rows, source
+from .head import head_defines, head_inputs
+from .source import HALF, flt, kernel_name, rows, source
 
 QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this path by 64-token chunks
 TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
@@ -63,28 +66,84 @@ def qmm_config(M, K, NOUT, bits, epi):
 
 
 @cached_builder
-def _qmm_build(dtype, bits, gs, MT, NW, epi, bias):
+def _qmm_build(dtype, bits, gs, MT, NW, epi, bias, head_items=None, norm_eps=None):
     d = dict(BITS=bits, GS=gs, MT=MT, NW=NW, EPI=epi, HAS_BIAS=bias, MMA_BF16=dtype == mx.bfloat16)
-    src = source("qmm.cu", d, dtype)
     names = ["x", "w", "sc", "bi"] + (["bias"] if bias else []) + (["res"] if epi == 1 else [])
-    return cuda_kernel(name=kernel_name("qmm", src), input_names=names, output_names=["y"], source=src,
-                       ensure_row_contiguous=True)
+    outputs = ["y"]
+    if epi == 3:
+        head = dict(head_items)
+        d.update(head_defines(head))
+        names += head_inputs(head) + ["cnt"]
+        outputs = ["ys", "yq"]
+    if norm_eps is not None:
+        d["NORM_EPS"] = flt(norm_eps)
+        names += ["nw", "cnt"]
+        outputs += ["yn"]
+    src = source("qmm.cu", d, dtype)
+    # EPI 3 writes the cache buffers in place: they must reach it as they are (strides), not copied
+    return cuda_kernel(name=kernel_name("qmm", src), input_names=names, output_names=outputs,
+                       source=src, ensure_row_contiguous=epi != 3)
 
 
-def qmm(x, w, epi=0, res=None):
+def norm_tickets():
+    """Tickets qmm's normalised output needs for any call of up to QMM_MAX_ROWS rows: one per
+    token block."""
+    return -(-QMM_MAX_ROWS // TOKENS_MAX)
+
+
+def qmm(x, w, epi=0, res=None, norm=None, cnt=None):
     """x [..., K] @ W^T (+ bias) (epi 0; with res [..., N], epi 1: res + that), or swiglu of the
-    stacked gate/up rows (epi 2), for a quantised PackedLinear that `takes` x."""
+    stacked gate/up rows (epi 2), for a quantised PackedLinear that `takes` x. norm (epi 1 only):
+    (weight [N], eps) of the RMSNorm that follows: returns (y, rms_norm(y)), the norm made by the
+    kernel's last block per 16 tokens; cnt: int32 tickets for it, at least norm_tickets(), zero (left
+    zero); fresh ones where None."""
     M, K, N = rows(x), x.shape[-1], w.weight.shape[0]
     nout = N // 2 if epi == 2 else N
     if epi == 2 and w.bias is not None:
         raise ValueError("qmm: no bias on gate/up (unsupported_gate_up_silu refuses it)")
     if (epi == 1) != (res is not None):
         raise ValueError("qmm: a residual goes with epi 1, and only with it")
+    if norm is not None and epi != 1:
+        raise ValueError("qmm: a normalised output goes with epi 1 (the residual stream)")
     bias = w.bias is not None
     MT, NW, weights, tokens = qmm_config(M, K, nout, w.bits, epi)
-    kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, epi, bias)
+    kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, epi, bias, None, None if norm is None else norm[1])
     inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
     inputs += [res.reshape(M, N)] if epi == 1 else []
-    y = kern(inputs=inputs, output_shapes=[(M, nout)], output_dtypes=[x.dtype],
-             grid=(tokens * NW * 32, weights, 1), threadgroup=(NW * 32, 1, 1))[0]
-    return y.reshape(*x.shape[:-1], nout)
+    if norm is not None:
+        inputs += [norm[0], mx.zeros((max(tokens, 4),), dtype=mx.int32) if cnt is None else cnt]
+    n = 1 if norm is None else 2
+    out = kern(inputs=inputs, output_shapes=[(M, nout)] * n, output_dtypes=[x.dtype] * n,
+               grid=(tokens * NW * 32, weights, 1), threadgroup=(NW * 32, 1, 1))
+    shaped = [y.reshape(*x.shape[:-1], nout) for y in out]
+    return shaped[0] if norm is None else tuple(shaped)
+
+
+def head_tickets(H, HKV):
+    """Tickets qmm_head needs for any decode step of up to QMM_MAX_ROWS rows: one per token block
+    and q/k/v head."""
+    return -(-QMM_MAX_ROWS // TOKENS_MAX) * (H + 2 * HKV)
+
+
+def qmm_head(x, w, head_items, arrays, cnt=None):
+    """x [B, L, K] -> q [B, L, H, D]: the QKV projection x @ W^T (+ bias) of a quantised PackedLinear
+    that `takes` x, with the head epilogue of head.py (EPI 3): q/k RMSNorm + RoPE, k/v written into
+    the cache arrays at off[0] + l. head_items: a FastBlock's head description + ("L", L) (+
+    ("lpad", True)); arrays: head.head_inputs(head) by name; cnt: int32 tickets, at least
+    head_tickets(H, HKV), zero (left zero); fresh ones where None."""
+    head = dict(head_items)
+    B, L, K = x.shape
+    M, N = B * L, w.weight.shape[0]
+    H, HKV, D = head["H"], head["HKV"], head["D"]
+    if N != (H + 2 * HKV) * D or D % 32:
+        raise ValueError(f"qmm_head: {N} weight rows are not {H} + 2 x {HKV} heads of {D} (a multiple of 32)")
+    bias = w.bias is not None
+    MT, NW, weights, tokens = qmm_config(M, K, N, w.bits, 3)
+    if cnt is None:
+        cnt = mx.zeros((max(tokens * (H + 2 * HKV), 4),), dtype=mx.int32)
+    kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, 3, bias, tuple(sorted(head_items)))
+    inputs = [x.reshape(M, K), w.weight, w.scales, w.biases] + ([w.bias] if bias else [])
+    inputs += [arrays[n] for n in head_inputs(head)] + [cnt]
+    _, q = kern(inputs=inputs, output_shapes=[(M, N), (B, L, H, D)], output_dtypes=[mx.float32, x.dtype],
+                grid=(tokens * NW * 32, weights, 1), threadgroup=(NW * 32, 1, 1))
+    return q
