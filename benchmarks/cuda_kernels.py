@@ -9,7 +9,8 @@ graph building, MLX's encoding of each node and the GPU: for short kernels mostl
 GPU (the summed durations of the graph's kernels, recorded by CUPTI through torch.profiler,
 cuda_trace.kernels_of; without torch that column is left out). GB/s and speed-ups are of the GPU
 times where present. Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
-on cache slices; ours = cuda/gemv.cu / cuda/attention.cu. Bytes = weights + scales/biases + x + y
+on cache slices; ours = cuda/gemv.cu / cuda/attention.cu (the "lm_head M=" cases: the lm_head op,
+qmm.cu from 2 rows). Bytes = weights + scales/biases + x + y
 (GEMV), the K and V rows read (attention). Writes OUT.md and OUT.json.
 """
 
@@ -97,7 +98,9 @@ def packed(N, K, bits=4, gs=64, dtype=mx.bfloat16):
     return PackedLinear(wq, s.astype(dtype), b.astype(dtype), None, (N,), K, bits, gs)
 
 
-def gemv_case(label, M, K, N, epi=0, bits=4, norm=False):
+def gemv_case(label, M, K, N, epi=0, bits=4, norm=False, head=False):
+    """stock quantized_matmul (+ its norm / swiglu) vs our GEMV; head: vs the lm_head op instead
+    (the GEMV at one row, the tensor-core qmm from gemv.HEAD_QMM_FROM rows)."""
     w0 = packed(N * (2 if epi == 2 else 1), K, bits)
     wbytes = w0.weight.nbytes + w0.scales.nbytes + w0.biases.nbytes
     copies = max(1, min(16, -(-200_000_000 // wbytes)))
@@ -119,6 +122,8 @@ def gemv_case(label, M, K, N, epi=0, bits=4, norm=False):
         return outs
 
     def ours():
+        if head:
+            return [gemv.lm_head(x, ws[i % copies]) for i in range(CALLS)]
         return [gemv.gemv(x, ws[i % copies], epi=epi, norm=(nw, 1e-6) if norm else None) for i in range(CALLS)]
 
     return timings(label, stock, ours, wbytes + x.nbytes + M * N * 2, M=M, K=K, N=N, bits=bits)
@@ -167,6 +172,8 @@ def main():
         ("4B gate_up+silu", 1, 2560, 9728, 2), ("4B down", 1, 9728, 2560, 0), ("4B lm_head", 1, 2560, 151936, 0),
         ("8B qkv", 1, 4096, 6144, 0), ("8B gate_up+silu", 1, 4096, 12288, 2), ("8B down", 1, 12288, 4096, 0),
         ("8B down M=4", 4, 12288, 4096, 0), ("0.6B qkv 8-bit", 1, 1024, 4096, 0, 8),
+        ("0.6B lm_head M=4", 4, 1024, 151936, 0, 4, False, True), ("4B lm_head M=4", 4, 2560, 151936, 0, 4, False, True),
+        ("8B lm_head M=8", 8, 4096, 151936, 0, 4, False, True),
     ]
     for c in cases:
         if a.only not in c[0]:

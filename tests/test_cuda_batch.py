@@ -134,8 +134,9 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_
     print(f"{name} B={B}: decode rows per step {sizes}; stock {verdict['stock']}, patched {verdict['patched']}")
     assert not verdict["problems"], verdict["problems"]
     # (No fixed-margin top-1 check beside it: these tiny bf16 models' logits are off by up to ~3 on
-    # either path; steps of 9+ rows, on tensor cores with weights rounded to bf16, come near stock's
-    # error (mean |logit error| 0.34-0.45 vs 0.49-0.51; the GEMV's steps 0.11-0.15), and a fixed
+    # either path; steps of 9+ rows, on tensor cores with weights rounded to bf16, came near stock's
+    # error (mean |logit error| 0.34-0.45 vs 0.49-0.51; the GEMV's steps 0.11-0.15, measured before
+    # lm_head took qmm from 2 rows: those steps' head now rounds its weights so too), and a fixed
     # margin of 0.5 counted near-ties there that either path flips.)
 
 

@@ -128,6 +128,9 @@ class FastBlock:
             return f"dtype {qkv.scales.dtype}"
         if type(block._input_norm) is not nn.RMSNorm or type(block._post_norm) is not nn.RMSNorm:
             return "norm type"
+        norms = [block._input_norm, block._post_norm] + ([attn._q_norm, attn._k_norm] if getattr(attn, "has_qk_norm", False) else [])
+        if any(n.weight.dtype != qkv.scales.dtype for n in norms):
+            return "norm weights not in the layers' dtype (the kernels read them as it)"
         for w in (qkv, gu):
             if w.in_features % 32:
                 return "in_features not a multiple of 32"
@@ -151,8 +154,10 @@ class FastBlock:
         o_proj + residual with the post-attention RMSNorm of its rows (qmm), gate/up + SiLU (qmm),
         down + residual with next_norm's (the next block's input RMSNorm (weight, eps), or the
         final norm's; None: none): the composed ops' rounding points, five launches. Returns
-        (output, output normalised or None, the attention output). lp: a batch cache's left
-        padding."""
+        (output, output normalised or None). lp: a batch cache's left padding. The cache's next
+        reader must be the output, not the attention's: o_proj and down reuse one ticket buffer
+        step after step, and only a reader after them orders the next step's kernels after theirs
+        (steps built lazily, as teacher forcing builds them, are not otherwise ordered)."""
         B, L, _ = x.shape
         head = self.head + (("L", L),) + ((("lpad", True),) if lp is not None else ())
         arrays = dict(off=off, lp=lp, kc=kc, vc=vc, after=after, **self.head_arrays())
@@ -161,8 +166,8 @@ class FastBlock:
         h, hn = qmm(o.reshape(B, L, -1), self.o, epi=1, res=x, norm=self.post_norm, cnt=self.norm_tickets)
         g = qmm(hn, self.gate_up, epi=2)
         if next_norm is None:
-            return qmm(g, self.down, epi=1, res=h), None, o
-        return (*qmm(g, self.down, epi=1, res=h, norm=next_norm, cnt=self.norm_tickets), o)
+            return qmm(g, self.down, epi=1, res=h), None
+        return qmm(g, self.down, epi=1, res=h, norm=next_norm, cnt=self.norm_tickets)
 
     def layer_counters(self, nlayers):
         """Zeroed group counters of a launch of nlayers layers led by this block (left zero)."""

@@ -16,9 +16,10 @@ class _WrittenInPlace:
 
     MLX does not see those in-place writes, and MLX's CUDA graphs order kernels only by the
     buffers they declare (a kernel waits for the last kernel that output one of its input
-    buffers). So the order is made explicit: `last_reader` is the output of the latest fast-path
-    attention over the buffers; the next fast-path writer (the head kernel) takes it as an extra
-    input, and stock code that touches the buffers evaluates it first (`_ordered`). Without this,
+    buffers). So the order is made explicit: `last_reader` is an output of the latest fast-path
+    launches over the buffers (the layer launch's attention output; in FastBlock.wide the block's
+    output, after its every kernel); the next fast-path writer (the QKV epilogue) takes it as an
+    extra input, and stock code that touches the buffers evaluates it first (`_ordered`). Without this,
     steps built lazily whose inputs do not depend on each other (teacher forcing) could run out of
     order in one graph.
     """

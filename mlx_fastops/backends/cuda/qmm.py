@@ -103,8 +103,9 @@ def qmm(x, w, epi=0, res=None, norm=None, cnt=None):
         raise ValueError("qmm: no bias on gate/up (unsupported_gate_up_silu refuses it)")
     if (epi == 1) != (res is not None):
         raise ValueError("qmm: a residual goes with epi 1, and only with it")
-    if norm is not None and epi != 1:
-        raise ValueError("qmm: a normalised output goes with epi 1 (the residual stream)")
+    if norm is not None and (epi != 1 or N % 32):
+        raise ValueError(f"qmm: a normalised output goes with epi 1 (the residual stream) and rows of whole "
+                         f"32-element blocks; got epi {epi}, {N} outputs")
     bias = w.bias is not None
     MT, NW, weights, tokens = qmm_config(M, K, nout, w.bits, epi)
     kern = _qmm_build(x.dtype, w.bits, w.group_size, MT, NW, epi, bias, None, None if norm is None else norm[1])
@@ -130,7 +131,9 @@ def qmm_head(x, w, head_items, arrays, cnt=None):
     that `takes` x, with the head epilogue of head.py (EPI 3): q/k RMSNorm + RoPE, k/v written into
     the cache arrays at off[0] + l. head_items: a FastBlock's head description + ("L", L) (+
     ("lpad", True)); arrays: head.head_inputs(head) by name; cnt: int32 tickets, at least
-    head_tickets(H, HKV), zero (left zero); fresh ones where None."""
+    head_tickets(H, HKV), zero (left zero); fresh ones where None. x and the weights reach the
+    kernel as they are (the cache arrays must: it writes them in place), so they must be
+    row-contiguous, as kernels and loaded weights make them."""
     head = dict(head_items)
     B, L, K = x.shape
     M, N = B * L, w.weight.shape[0]

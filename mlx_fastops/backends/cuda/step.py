@@ -163,8 +163,8 @@ def _compile_step(model, fasts, wide):
         if tokens.shape[1] == 1 and tokens.shape[0] >= first_wide and bufs[0].dtype != mx.uint32:
             hn = mx.fast.rms_norm(h, *fasts[0].in_norm)
             for fb, b, nxt in zip(fasts, layer_bufs, next_norms):
-                h, hn, o = fb.wide(h, hn, nxt, off, *b)
-                readers.append(o)
+                h, hn = fb.wide(h, hn, nxt, off, *b)
+                readers.append(h)   # after every kernel of the block (wide's reader rule)
             if final is not None:
                 return [hn, off + tokens.shape[1], *readers]
         else:
