@@ -211,3 +211,41 @@ def test_tuned_prefill_leaves_the_decode_rows_on(kept, above, upto, disable, ste
         assert {e.reason for e in report.fused if e.fusion == "lm_head"} == {head_note}
     finally:
         mlx_fastops.unpatch(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,B", [("qwen3-tiny-qmm", 5), ("qwen2-tiny", 12)])
+def test_teacher_forced_wide_steps_equal_steps_one_at_a_time(name, B, cuda_or_emulator, monkeypatch):
+    """Decode steps built lazily, none waiting for the one before (teacher forcing:
+    fidelity.forced_logits), through FastBlock.wide (from 4 rows: GROUP_MAX_WEIGHTS set to 0), whose
+    blocks reuse their ticket buffers step after step: the cache's reader (the block's output) must
+    order each step's kernels after the previous step's. Bit for bit the logits of the same steps
+    evaluated one at a time (on a GPU a missing order can show as wrong or NaN rows; the emulator
+    runs kernels one by one)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
+    monkeypatch.setattr(cuda_block, "GROUP_MAX_WEIGHTS", 0)
+    wide_rows = []
+    monkeypatch.setattr(FastBlock, "wide", lambda fb, x, *a, _wide=FastBlock.wide: wide_rows.append(x.shape[0]) or
+                        _wide(fb, x, *a))
+    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B)
+    vocab = model.args.vocab_size
+    prompt = mx.random.randint(0, vocab, (B, 11), key=mx.random.key(B))
+    tokens = mx.random.randint(0, vocab, (B, 6), key=mx.random.key(B + 1))
+    mlx_fastops.patch(model)
+    try:
+        lazy = fidelity.forced_logits(model, prompt, tokens)
+        mx.eval(lazy)
+        cache = make_prompt_cache(model)
+        steps = [model(prompt, cache=cache)[:, -1]]
+        mx.eval(steps)
+        for i in range(tokens.shape[1] - 1):
+            steps.append(model(tokens[:, i:i + 1], cache=cache)[:, -1])
+            mx.eval(steps[-1])
+    finally:
+        mlx_fastops.unpatch(model)
+    assert wide_rows and set(wide_rows) == {B}, wide_rows
+    assert np.isfinite(np.asarray(lazy)).all()
+    assert mx.array_equal(lazy, mx.stack(steps, 1).astype(mx.float32))
