@@ -243,21 +243,30 @@
 #endif
   }
 
-#ifdef NORM_EPS
-  // ---- the rows RMS-normalised, by the block that completes them (a warp a row) ----
+#if defined(NORM_EPS) || EPI == 3
+  // ---- epilogues of the block that completes a set of blocks: an atomic ticket each set ----
+#if EPI == 3
+  // the head hb of these tokens: D / 32 weight blocks
+  const int hb = blockIdx.y * 32 / D, ticket = blockIdx.x * (H + 2 * HKV) + hb, arrivals = D / 32;
+#else
+  // these tokens' rows: every weight block
+  const int ticket = blockIdx.x, arrivals = gridDim.y;
+#endif
   __shared__ int s_last;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* t = const_cast<int*>(cnt) + blockIdx.x;
-    s_last = atomicAdd(t, 1) == (int)gridDim.y - 1;
+    int* t = const_cast<int*>(cnt) + ticket;
+    s_last = atomicAdd(t, 1) == arrivals - 1;
     if (s_last) *t = 0;   // reset for the next launch (launches are stream-ordered)
   }
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  // A warp a row; each lane's 16-byte words of it in chunks of CH, a chunk's loads issued
-  // together (L2 round trips, not one per word, are this tail's time).
+#endif
+#ifdef NORM_EPS
+  // ---- the rows RMS-normalised: a warp a row; each lane's 16-byte words of it in chunks of CH,
+  // a chunk's loads issued together (L2 round trips, not one per word, are this tail's time) ----
   constexpr int V = 16 / (int)sizeof(T), CH = 8;   // N is a multiple of 32: rows of whole 16-byte words
   const int words = N / V;
   for (int m = m0 + warp; m < min(m0 + 8 * MT, M); m += NW) {
@@ -303,19 +312,8 @@
   }
 #endif
 #if EPI == 3
-  // ---- head epilogue, by the block that completes the head for these tokens ----
-  const int hb = blockIdx.y * 32 / D, row0 = m0, MV = min(8 * MT, M - m0);
-  __shared__ int s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* t = const_cast<int*>(cnt) + blockIdx.x * (H + 2 * HKV) + hb;
-    s_last = atomicAdd(t, 1) == D / 32 - 1;
-    if (s_last) *t = 0;   // reset for the next launch (launches are stream-ordered)
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  // ---- the head epilogue over these tokens ----
+  const int row0 = m0, MV = min(8 * MT, M - m0);
   {
     constexpr int M = 8 * MT;   // head.cuh's rows (MV of them exist)
     auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)(row0 + m) * N + hb * D + d); };

@@ -128,7 +128,8 @@ class FastBlock:
             return f"dtype {qkv.scales.dtype}"
         if type(block._input_norm) is not nn.RMSNorm or type(block._post_norm) is not nn.RMSNorm:
             return "norm type"
-        norms = [block._input_norm, block._post_norm] + ([attn._q_norm, attn._k_norm] if getattr(attn, "has_qk_norm", False) else [])
+        norms = [block._input_norm, block._post_norm]
+        norms += [attn._q_norm, attn._k_norm] if getattr(attn, "has_qk_norm", False) else []
         if any(n.weight.dtype != qkv.scales.dtype for n in norms):
             return "norm weights not in the layers' dtype (the kernels read them as it)"
         for w in (qkv, gu):

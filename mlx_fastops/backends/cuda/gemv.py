@@ -6,8 +6,8 @@ Epilogues (EPI): 0 plain (+ bias), 1 + residual, 2 SiLU(gate) * up, 3 the QKV he
 k/v written into the cache; only inside the one-launch layer, or alone in tests). The ops qkv_proj
 and gate_up_silu run EPI 0 / 2 for up to MAX_ROWS rows, lm_head EPI 0 for one row (and 2-8 that
 qmm does not take); their other row counts and linear's go elsewhere (`linear`, `lm_head` below:
-tensor cores, dense prefill, stock). Per call the kernel is picked by its static shape class (dtype, rows, bits, group size, epilogue); K and N are
-read from the weight's shape at run time.
+tensor cores, dense prefill, stock). Per call the kernel is picked by its static shape class
+(dtype, rows, bits, group size, epilogue); K and N are read from the weight's shape at run time.
 """
 
 import mlx.core as mx

@@ -22,6 +22,7 @@ from .source import HALF, flt, kernel_name, rows, source
 
 QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this path by 64-token chunks
 TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
+TOKEN_BLOCKS_MAX = -(-QMM_MAX_ROWS // TOKENS_MAX)   # blocks along the tokens of any call
 SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
 WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
 MAX_WARPS = 8       # warps a block at most (K split further only where the grid is small)
@@ -88,7 +89,7 @@ def _qmm_build(dtype, bits, gs, MT, NW, epi, bias, head_items=None, norm_eps=Non
 def norm_tickets():
     """Tickets qmm's normalised output needs for any call of up to QMM_MAX_ROWS rows: one per
     token block."""
-    return -(-QMM_MAX_ROWS // TOKENS_MAX)
+    return TOKEN_BLOCKS_MAX
 
 
 def qmm(x, w, epi=0, res=None, norm=None, cnt=None):
@@ -123,7 +124,7 @@ def qmm(x, w, epi=0, res=None, norm=None, cnt=None):
 def head_tickets(H, HKV):
     """Tickets qmm_head needs for any decode step of up to QMM_MAX_ROWS rows: one per token block
     and q/k/v head."""
-    return -(-QMM_MAX_ROWS // TOKENS_MAX) * (H + 2 * HKV)
+    return TOKEN_BLOCKS_MAX * (H + 2 * HKV)
 
 
 def qmm_head(x, w, head_items, arrays, cnt=None):
