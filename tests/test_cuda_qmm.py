@@ -1,6 +1,6 @@
 """The tensor-core quantised matmul (cuda/qmm.cu) called directly, beyond the row counts the ops
 give it (tests/test_ops.py covers 9-64 rows through the ops): several token tiles along the grid's
-y, K split over 1-8 warps (with chunks left over), rows past N in the last block. The exact value
+y, K split over 1-16 warps (with chunks left over), rows past N in the last block. The exact value
 is x @ W^T in float64 with W the weights as the kernel feeds the tensor cores (s * q + b rounded
 once to the dtype), rounded where the kernel rounds (the GEMV's points: T(acc), + bias, + residual,
 the swiglu steps): only the summation order differs, so within a few units in the last place, and in the
@@ -48,7 +48,7 @@ CASES = [  # M, K, N, bits, group, dtype, epi, bias
     (100, 256, 72, 4, 64, BF16, 0, False),     # seven token tiles of 16, the last of 4 rows
     (130, 384, 40, 8, 32, F16, 0, True),       # nine tiles, the last of 2 rows; 8-bit
     (9, 1024, 33, 4, 128, F16, 0, False),      # one tile, K over 8 warps, 1 row in the last block
-    (9, 2560, 40, 4, 64, BF16, 0, True),       # 20 chunks over 8 warps: 4 warps take one more
+    (9, 2560, 40, 4, 64, BF16, 0, True),       # 20 chunks over 16 warps: 4 warps take one more
     (77, 128, 64, 4, 32, BF16, 2, False),      # swiglu, one chunk of K
     (20, 256, 48, 4, 32, F16, 2, False),       # swiglu in half
     (65, 512, 96, 8, 64, BF16, 2, False),      # swiglu, 8-bit, a fifth tile of 1 row
