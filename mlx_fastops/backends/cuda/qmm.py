@@ -24,13 +24,9 @@ QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this p
 TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
 TOKEN_BLOCKS_MAX = -(-QMM_MAX_ROWS // TOKENS_MAX)   # blocks along the tokens of any call
 SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
-# K is split over more warps of a block while the launch has fewer than WARPS_MIN (32 per SM of
-# the H200's 132: two waves at the 16 that 128 registers leave resident), up to MAX_WARPS a block.
-# Long per-warp chunk chains are what keeps few-row calls from the weight read: at 4 / 8 rows
-# (H200, GPU time per call, chained as the model chains them) Qwen3-4B's gate/up 30.5 -> 19.5 us
-# (2 -> 8 warps), down + norm 22.9 -> 18.1 (8 -> 16), 8B's gate/up 53.3 -> 35.2, down 29.1 -> 24.2.
-WARPS_MIN = 4224
-MAX_WARPS = 16
+SMS = 132           # the H200's SMs
+SM_WARPS = 16       # warps an SM holds at the kernel's 128 registers a thread
+WARPS_MIN = 2 * SMS * SM_WARPS   # K split over more warps of a block while a launch has fewer
 MAX_WEIGHT_BLOCKS = 65535   # grid y: CUDA's limit
 
 
@@ -64,8 +60,14 @@ def qmm_config(M, K, NOUT, bits, epi):
     tokens = -(-M // (8 * MT))
     weights = weight_blocks(NOUT, epi)
     nchunk = K // chunk_k(bits)
+    # Long chains of chunks per warp keep few-row calls from the weight read; a block of a whole
+    # SM's warps only where the grid has at most a block per SM (more would leave a partial second
+    # wave). H200, GPU time per call in the model's batched decode step (cuda_trace) at 4 rows,
+    # Qwen3-4B, against at most 8 warps and 1056 a launch: o_proj/down + norm 18.5 -> 15.5 us (8 ->
+    # 16 warps), gate/up 18.4 -> 15.8 (2 -> 8); the QKV's 192 blocks at 16 warps: 12.3 -> 19.2.
+    max_warps = SM_WARPS if weights * tokens <= SMS else SM_WARPS // 2
     NW = 1
-    while (NW * 2 <= min(nchunk, MAX_WARPS) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS
+    while (NW * 2 <= min(nchunk, max_warps) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS
            and weights * tokens * NW < WARPS_MIN):
         NW *= 2
     return MT, NW, weights, tokens
