@@ -64,7 +64,7 @@ def qmm_config(M, K, NOUT, bits, epi):
     # o_proj and down up to 16 rows), else 8: more would leave a partial second wave. H200, GPU time
     # per call in the model's batched decode step (cuda_trace, at most 8 warps vs 16 there): Qwen3-4B
     # at 4 rows o_proj/down + norm 18.5 -> 15.5 us, 8B at 8 rows 23.6 -> 20.7; more warps where the
-    # grid is larger lost: the QKV's 192 blocks at 16 warps 12.3 -> 19.2, gate/up at 8 warps (2 here)
+    # grid is larger lost: the QKV's 192 blocks at 16 warps 12.3 -> 15.8, gate/up at 8 warps (2 here)
     # 18.4 -> 19.2 (4B) and 30.8 -> 31.7 (8B).
     max_warps = SM_WARPS if weights * tokens <= SMS else SM_WARPS // 2
     NW = 1
