@@ -56,6 +56,8 @@ CASES = [  # M, K, N, bits, group, dtype, epi, bias
     (12, 256, 40, 8, 32, F16, 1, True),        # + bias + residual, 8-bit
     (4, 256, 40, 4, 64, BF16, 1, False),       # 4 rows (FastBlock.wide's fewest on large layers)
     (5, 512, 48, 4, 64, F16, 2, False),        # 5 rows, swiglu
+    (6, 2048, 96, 4, 64, BF16, 1, False),      # + residual, 16 warps (a grid of 3 blocks), a chunk each
+    (5, 2560, 64, 4, 64, F16, 2, False),       # swiglu over 16 warps
 ]
 
 
@@ -107,6 +109,7 @@ NORM_CASES = [  # M, K, N, dtype: epi 1 with the next RMSNorm made by the last b
     (4, 256, 640, BF16),      # one token block over 20 weight blocks
     (20, 384, 96, F16),       # two token blocks, the second of 4 rows
     (33, 256, 4096, BF16),    # three, the last of 1 row; a hidden size of Qwen3-8B
+    (4, 2560, 640, BF16),     # K over 16 warps: the norm's tail by a block of 16 warps
 ]
 
 

@@ -23,7 +23,7 @@ from .source import HALF, flt, kernel_name, rows, source
 QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this path by 64-token chunks
 TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
 TOKEN_BLOCKS_MAX = -(-QMM_MAX_ROWS // TOKENS_MAX)   # blocks along the tokens of any call
-SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
+SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB (EPI 3 adds 8 * MT * D)
 WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K over more warps below this many
 SMS = 132           # the H200's SMs
 SM_WARPS = 16       # warps an SM holds at the kernel's 128 registers a thread
@@ -66,7 +66,9 @@ def qmm_config(M, K, NOUT, bits, epi):
     # at 4 rows o_proj/down + norm 18.5 -> 15.5 us, 8B at 8 rows 23.6 -> 20.7; more warps where the
     # grid is larger lost: the QKV's 192 blocks at 16 warps 12.3 -> 15.8, gate/up at 8 warps (2 here)
     # 18.4 -> 19.2 (4B) and 30.8 -> 31.7 (8B).
-    max_warps = SM_WARPS if weights * tokens <= SMS else SM_WARPS // 2
+    # (Not the QKV head (EPI 3): its epilogue's rows in shared memory beside 16 warps' partials
+    # would pass 48 KB at head_dim 256, and 16 warps there were never a gain.)
+    max_warps = SM_WARPS if weights * tokens <= SMS and epi != 3 else SM_WARPS // 2
     NW = 1
     while (NW * 2 <= min(nchunk, max_warps) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS
            and weights * tokens * NW < WARPS_MIN):
