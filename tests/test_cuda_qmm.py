@@ -1,6 +1,6 @@
 """The tensor-core quantised matmul (cuda/qmm.cu) called directly, beyond the row counts the ops
 give it (tests/test_ops.py covers 9-64 rows through the ops): several token tiles along the grid's
-y, K split over 1-8 warps (with chunks left over), rows past N in the last block. The exact value
+y, K split over 1-16 warps (with chunks left over), rows past N in the last block. The exact value
 is x @ W^T in float64 with W the weights as the kernel feeds the tensor cores (s * q + b rounded
 once to the dtype), rounded where the kernel rounds (the GEMV's points: T(acc), + bias, + residual,
 the swiglu steps): only the summation order differs, so within a few units in the last place, and in the
@@ -48,7 +48,7 @@ CASES = [  # M, K, N, bits, group, dtype, epi, bias
     (100, 256, 72, 4, 64, BF16, 0, False),     # seven token tiles of 16, the last of 4 rows
     (130, 384, 40, 8, 32, F16, 0, True),       # nine tiles, the last of 2 rows; 8-bit
     (9, 1024, 33, 4, 128, F16, 0, False),      # one tile, K over 8 warps, 1 row in the last block
-    (9, 2560, 40, 4, 64, BF16, 0, True),       # 20 chunks over 8 warps: 4 warps take one more
+    (9, 2560, 40, 4, 64, BF16, 0, True),       # 20 chunks over 16 warps: 4 warps take one more
     (77, 128, 64, 4, 32, BF16, 2, False),      # swiglu, one chunk of K
     (20, 256, 48, 4, 32, F16, 2, False),       # swiglu in half
     (65, 512, 96, 8, 64, BF16, 2, False),      # swiglu, 8-bit, a fifth tile of 1 row
@@ -56,6 +56,8 @@ CASES = [  # M, K, N, bits, group, dtype, epi, bias
     (12, 256, 40, 8, 32, F16, 1, True),        # + bias + residual, 8-bit
     (4, 256, 40, 4, 64, BF16, 1, False),       # 4 rows (FastBlock.wide's fewest on large layers)
     (5, 512, 48, 4, 64, F16, 2, False),        # 5 rows, swiglu
+    (6, 2048, 96, 4, 64, BF16, 1, False),      # + residual, 16 warps (a grid of 3 blocks), a chunk each
+    (5, 2560, 64, 4, 64, F16, 2, False),       # swiglu over 16 warps
 ]
 
 
@@ -107,6 +109,7 @@ NORM_CASES = [  # M, K, N, dtype: epi 1 with the next RMSNorm made by the last b
     (4, 256, 640, BF16),      # one token block over 20 weight blocks
     (20, 384, 96, F16),       # two token blocks, the second of 4 rows
     (33, 256, 4096, BF16),    # three, the last of 1 row; a hidden size of Qwen3-8B
+    (4, 2560, 640, BF16),     # K over 16 warps: the norm's tail by a block of 16 warps
 ]
 
 

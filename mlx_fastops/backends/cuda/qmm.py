@@ -23,9 +23,10 @@ from .source import HALF, flt, kernel_name, rows, source
 QMM_MAX_ROWS = 64   # more rows: stock quantized_matmul; the tuner judges this path by 64-token chunks
 TOKENS_MAX = 16     # tokens per block: 2 mma tiles of 8 (more rows: more blocks, side by side in the grid)
 TOKEN_BLOCKS_MAX = -(-QMM_MAX_ROWS // TOKENS_MAX)   # blocks along the tokens of any call
-SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB
-WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K further below this many
-MAX_WARPS = 8       # warps a block at most (K split further only where the grid is small)
+SMEM_FLOATS = 8192  # the warps' partials (NW * 32 rows * 8 * MT tokens floats): 32 KB (EPI 3 adds 8 * MT * D)
+WARPS_MIN = 1056    # 8 warps per SM of the H200's 132: split K over more warps below this many
+SMS = 132           # the H200's SMs
+SM_WARPS = 16       # warps an SM holds at the kernel's 128 registers a thread
 MAX_WEIGHT_BLOCKS = 65535   # grid y: CUDA's limit
 
 
@@ -59,8 +60,17 @@ def qmm_config(M, K, NOUT, bits, epi):
     tokens = -(-M // (8 * MT))
     weights = weight_blocks(NOUT, epi)
     nchunk = K // chunk_k(bits)
+    # Up to a whole SM's warps a block where the grid has at most a block per SM (Qwen3-4B/8B's
+    # o_proj and down up to 16 rows), else 8: more would leave a partial second wave. H200, GPU time
+    # per call in the model's batched decode step (cuda_trace, at most 8 warps vs 16 there): Qwen3-4B
+    # at 4 rows o_proj/down + norm 18.5 -> 15.5 us, 8B at 8 rows 23.6 -> 20.7; more warps where the
+    # grid is larger lost: the QKV's 192 blocks at 16 warps 12.3 -> 15.8, gate/up at 8 warps (2 here)
+    # 18.4 -> 19.2 (4B) and 30.8 -> 31.7 (8B).
+    # (Not the QKV head (EPI 3): its epilogue's rows in shared memory beside 16 warps' partials
+    # would pass 48 KB at head_dim 256, and 16 warps there were never a gain.)
+    max_warps = SM_WARPS if weights * tokens <= SMS and epi != 3 else SM_WARPS // 2
     NW = 1
-    while (NW * 2 <= min(nchunk, MAX_WARPS) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS
+    while (NW * 2 <= min(nchunk, max_warps) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS
            and weights * tokens * NW < WARPS_MIN):
         NW *= 2
     return MT, NW, weights, tokens
