@@ -131,3 +131,26 @@ def test_qmm_normalised_output_is_rms_norm_of_its_output(M, K, N, dtype, on_gpu)
     assert (np.abs(got - want) <= 2 * ULP[dtype] * np.abs(want)).all()
     assert float((got == want).mean()) > 0.99
     assert (np.asarray(cnt) == 0).all()   # left zero for the next call
+
+
+SHAPES = [  # K, N (weight rows), epi, head_dim (EPI 3): the benchmark models' projections, and wide heads
+    (1024, 4096, 3, 128), (1024, 1024, 1, 0), (1024, 3072, 2, 0), (3072, 1024, 1, 0),   # Qwen3-0.6B
+    (2560, 6144, 3, 128), (4096, 2560, 1, 0), (2560, 9728, 2, 0), (9728, 2560, 1, 0),   # Qwen3-4B
+    (4096, 6144, 3, 128), (4096, 4096, 1, 0), (4096, 12288, 2, 0), (12288, 4096, 1, 0),  # Qwen3-8B
+    (2048, 3072, 3, 64), (8192, 2048, 1, 0),                                             # Llama-3.2-1B
+    (2560, 4096, 3, 256), (1024, 2048, 3, 256),          # head_dim 256: 8 + 2 x 4 and 4 + 2 x 2 heads
+    (2560, 151936, 0, 0),                                # a vocabulary head
+]
+
+
+@pytest.mark.parametrize("K,N,epi,D", SHAPES)
+def test_qmm_configs_fit_an_sm(K, N, epi, D):
+    """Every row count's blocking launches: at most 16 warps (512 threads, the register file at 128
+    registers a thread), a K chunk for every warp, and static shared memory (the warps' partials,
+    the head epilogue's rows) within 48 KB. Fails before a GPU would refuse the launch."""
+    for M in range(1, qmm.QMM_MAX_ROWS + 1):
+        MT, NW, weights, tokens = qmm.qmm_config(M, K, N // 2 if epi == 2 else N, 4, epi)
+        smem = 4 * NW * 32 * 8 * MT + (4 * 8 * MT * D + 4 if epi == 3 else 0)
+        assert NW <= qmm.SM_WARPS and NW <= K // qmm.chunk_k(4), (M, NW)
+        assert smem <= 48 * 1024, (M, NW, MT, smem)
+        assert tokens * 8 * MT >= M and weights == qmm.weight_blocks(N // 2 if epi == 2 else N, epi)
