@@ -11,10 +11,11 @@ cuda_trace.kernels_of; without torch that column is left out). GB/s and speed-up
 times where present. Independent calls may run side by side on the GPU, which stretches each one's
 duration most for kernels that leave SMs idle (docs/cuda-design.md: qmm's gate/up at 2 warps, 30.5
 us alone vs 18.4 in the model's step), and kernels with tickets in a shared buffer must not be
-timed this way at all (they race): time those in the model (cuda_trace.py) or chained. Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention
-on cache slices; ours = cuda/gemv.cu / cuda/attention.cu (the "lm_head M=" cases: the lm_head op,
-qmm.cu from 2 rows). Bytes = weights + scales/biases + x + y
-(GEMV), the K and V rows read (attention). Writes OUT.md and OUT.json.
+timed this way at all (they race): time those in the model (cuda_trace.py) or chained.
+Stock = mx.quantized_matmul (GEMV shapes) / mx.fast.scaled_dot_product_attention on cache slices;
+ours = cuda/gemv.cu / cuda/attention.cu (the "lm_head M=" cases: the lm_head op, qmm.cu from 2 rows).
+Bytes = weights + scales/biases + x + y (GEMV), the K and V rows read (attention). Writes OUT.md and
+OUT.json.
 """
 
 import argparse

@@ -149,8 +149,8 @@ def test_qmm_configs_fit_an_sm(K, N, epi, D):
     registers a thread), a K chunk for every warp, and static shared memory (the warps' partials,
     the head epilogue's rows) within 48 KB. Fails before a GPU would refuse the launch."""
     for M in range(1, qmm.QMM_MAX_ROWS + 1):
-        MT, NW, weights, tokens = qmm.qmm_config(M, K, N // 2 if epi == 2 else N, 4, epi)
+        MT, NW, _, tokens = qmm.qmm_config(M, K, N // 2 if epi == 2 else N, 4, epi)
         smem = 4 * NW * 32 * 8 * MT + (4 * 8 * MT * D + 4 if epi == 3 else 0)
         assert NW <= qmm.SM_WARPS and NW <= K // qmm.chunk_k(4), (M, NW)
         assert smem <= 48 * 1024, (M, NW, MT, smem)
-        assert tokens * 8 * MT >= M and weights == qmm.weight_blocks(N // 2 if epi == 2 else N, epi)
+        assert tokens * 8 * MT >= M, (M, MT, tokens)

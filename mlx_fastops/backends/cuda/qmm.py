@@ -61,13 +61,12 @@ def qmm_config(M, K, NOUT, bits, epi):
     weights = weight_blocks(NOUT, epi)
     nchunk = K // chunk_k(bits)
     # Up to a whole SM's warps a block where the grid has at most a block per SM (Qwen3-4B/8B's
-    # o_proj and down up to 16 rows), else 8: more would leave a partial second wave. H200, GPU time
-    # per call in the model's batched decode step (cuda_trace, at most 8 warps vs 16 there): Qwen3-4B
-    # at 4 rows o_proj/down + norm 18.5 -> 15.5 us, 8B at 8 rows 23.6 -> 20.7; more warps where the
-    # grid is larger lost: the QKV's 192 blocks at 16 warps 12.3 -> 15.8, gate/up at 8 warps (2 here)
-    # 18.4 -> 19.2 (4B) and 30.8 -> 31.7 (8B).
-    # (Not the QKV head (EPI 3): its epilogue's rows in shared memory beside 16 warps' partials
-    # would pass 48 KB at head_dim 256, and 16 warps there were never a gain.)
+    # o_proj and down up to 16 rows), else 8: more would leave a partial second wave. The QKV head
+    # (EPI 3) keeps 8 in any grid: its epilogue's rows in shared memory beside 16 warps' partials
+    # would pass 48 KB at head_dim 256. H200, GPU time per call in the model's batched decode step
+    # (cuda_trace, 8 warps vs 16): Qwen3-4B at 4 rows o_proj/down + norm 18.5 -> 15.5 us, 8B at 8
+    # rows 23.6 -> 20.7; where the grid is larger more warps lost: the QKV's 192 blocks at 16 warps
+    # 12.3 -> 15.8, gate/up at 8 warps (2 here) 18.4 -> 19.2 (4B) and 30.8 -> 31.7 (8B).
     max_warps = SM_WARPS if weights * tokens <= SMS and epi != 3 else SM_WARPS // 2
     NW = 1
     while (NW * 2 <= min(nchunk, max_warps) and 2 * NW * 32 * 8 * MT <= SMEM_FLOATS
