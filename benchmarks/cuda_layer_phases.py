@@ -155,8 +155,9 @@ def main():
     ap.add_argument("--layers", default="1,4")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--attn-blocks", default="264",
-                    help="attention blocks to aim for (ATTN_TARGET_BLOCKS), comma-separated: one table each")
+    ap.add_argument("--attn-blocks", default="",
+                    help="attention blocks to aim for (ATTN_TARGET_BLOCKS), comma-separated: one table each "
+                         "(default: the module's)")
     ap.add_argument("--resident", default="",
                     help="block slots the GEMV phases' blockings assume (RESIDENT_BLOCKS), comma-separated: "
                          "one table each (default: the module's)")
@@ -171,7 +172,8 @@ def main():
     m = machine()
     meta = {"device": m.get("gpu") or m["device"], "mlx": m["mlx"], "commit": m["commit"], "source": m["sources"]}
     nlayers = [int(n) for n in a.layers.split(",")]
-    targets = [int(t) for t in a.attn_blocks.split(",")]
+    from mlx_fastops.backends.cuda import attention
+    targets = [int(t) for t in a.attn_blocks.split(",") if t] or [attention.ATTN_TARGET_BLOCKS]
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
     results = [r for name in a.models.split(",") for b in a.batch.split(",") for d in (a.disable or [""])
                for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents,

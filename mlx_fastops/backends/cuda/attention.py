@@ -17,7 +17,9 @@ from .source import HALF, OFF_WORDS, kernel_name, offset_array, source
 ATTN_WARPS = 4        # warps per attention block
 ATTN_MINCH = 16       # fewest positions per split
 ATTN_MAX_SPLITS = 64  # the merge's shared weights table (MAXSPLIT in attention.cu)
-ATTN_TARGET_BLOCKS = 264   # two blocks per SM on the H200's 132 SMs
+# Four blocks per SM on the H200's 132 SMs (the layer launch's every slot): at 8192 positions a
+# chunk per block half as long as with 264 (docs/cuda-design.md, Attention).
+ATTN_TARGET_BLOCKS = 528
 MAX_GQA = 8    # query heads per kv head held in registers by the attention kernel
 LOG2E = 1.4426950408889634
 
