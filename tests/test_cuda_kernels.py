@@ -408,6 +408,25 @@ def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     assert (kw["shared_memory"] > 0) == staged
 
 
+@pytest.mark.parametrize("name,heads,one_row", [(name, heads, n) for (name, _, heads, _, _), n in
+                                                zip(LAYERS, (64, 33, 33, 33, 64))])
+def test_attention_splits_within_one_wave(name, heads, one_row):
+    """Decode attention's splits of the sequence (attention.attn_partials, as layer.layers_launch and
+    FastBlock.wide ask for them) at 1-64 rows: at most ATTN_TARGET_BLOCKS blocks (more were slower on
+    the H200: docs/cuda-design.md) and the merge's 64 splits, partials sized by them; at one row the
+    measured cut (Qwen3-4B/8B: 33 splits of 16 kv head x head subgroup rows, every one of 528 slots)."""
+    H, HKV, D = heads
+    G = H // HKV
+    gb = A.head_subgroup(G)
+    for M in range(1, 65):
+        nsplit, (pm, po) = A.attn_partials(M * HKV, None, G, gb, D)
+        blocks = nsplit * M * HKV * (G // gb)
+        assert 1 <= nsplit <= A.ATTN_MAX_SPLITS and (blocks <= A.ATTN_TARGET_BLOCKS or nsplit == 1), (M, nsplit)
+        assert pm == (M * HKV, nsplit, G, 2) and po == (M * HKV, nsplit, G, D)
+        if M == 1:
+            assert nsplit == one_row
+
+
 @pytest.mark.parametrize("variant", ["one_wave", "stream"])
 @pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1)])
 def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):

@@ -18,16 +18,17 @@ ATTN_WARPS = 4        # warps per attention block
 ATTN_MINCH = 16       # fewest positions per split
 ATTN_MAX_SPLITS = 64  # the merge's shared weights table (MAXSPLIT in attention.cu)
 # Four blocks per SM on the H200's 132 SMs (the layer launch's every slot): at 8192 positions a
-# chunk per block half as long as with 264 (docs/cuda-design.md, Attention).
+# chunk per block half as long as with 264 (docs/cuda-design.md, Attention); 792 or more: slower.
 ATTN_TARGET_BLOCKS = 528
 MAX_GQA = 8    # query heads per kv head held in registers by the attention kernel
 LOG2E = 1.4426950408889634
 
 
 def attn_splits(S, rows):
-    """Splits per (b, l, kv head): enough blocks to fill the GPU, no more than a cache buffer of S
-    slots can use (S None: no such bound; splits past the valid length are empty)."""
-    want = -(-ATTN_TARGET_BLOCKS // rows)
+    """Splits per (b, l, kv head): as many as keep the blocks within ATTN_TARGET_BLOCKS (one wave:
+    more were slower), no more than a cache buffer of S slots can use (S None: no such bound;
+    splits past the valid length are empty)."""
+    want = ATTN_TARGET_BLOCKS // rows
     usable = ATTN_MAX_SPLITS if S is None else min(ATTN_MAX_SPLITS, -(-S // ATTN_MINCH))
     return max(1, min(want, usable))
 
