@@ -1,0 +1,110 @@
+"""A setting of the CUDA backend A/B'd in one process: copies of a synthetic model, each patched and
+traced under its own value of one module constant of mlx_fastops.backends.cuda, timed side by side
+by the benchmark engine (bench.compare: alternating order, medians with min-max).
+
+    python3 benchmarks/cuda_ab.py --set attention.ATTN_TARGET_BLOCKS=264,528 [--models qwen3-4b]
+        [-p 8192,512] [-g 128] [-n 3] [--batch B] [--out FILE.md]
+
+One copy per value (the first is the baseline of the ratios). Before each of its generations a
+copy's value is set and the kernel builders' caches are cleared, so that what its compiled step
+traces (at its first generation and at each new buffer length) is built under its own value.
+Before timing, each copy generates 32 greedy tokens after one prompt: the table says whether they
+equal the first copy's (a setting that changes no arithmetic must keep them). --batch B: B rows
+through mlx-lm's BatchGenerator (bench.batch_generation). Prints a Markdown table (and writes it to
+--out); decode rows only where -g > 0.
+"""
+
+import argparse
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx
+
+import mlx_fastops
+from mlx_fastops import bench, kernels, synthetic_model
+
+
+def parse_setting(text):
+    """'module.NAME=v1,v2,...' -> (module object, NAME, [values]); values are Python literals."""
+    where, sep, values = text.partition("=")
+    mod, _, name = where.rpartition(".")
+    if not sep or not mod or not name or not values:
+        raise SystemExit(f"cuda_ab: --set takes module.NAME=v1,v2 (e.g. attention.ATTN_TARGET_BLOCKS=264,528), "
+                         f"got {text!r}")
+    module = importlib.import_module(f"mlx_fastops.backends.cuda.{mod}")
+    if not hasattr(module, name):
+        raise SystemExit(f"cuda_ab: mlx_fastops.backends.cuda.{mod} has no {name}")
+    vals = [ast.literal_eval(v) for v in values.split(",")]
+    if len(vals) < 2:
+        raise SystemExit("cuda_ab: --set needs at least two values to compare")
+    return module, name, vals
+
+
+def setter(module, name, value):
+    def prepare():
+        if getattr(module, name) != value:
+            setattr(module, name, value)
+            kernels.clear_builders()
+    return prepare
+
+
+def ab(model_name, module, name, values, prompts, gen, trials, batch=None):
+    """Markdown rows of one model: per prompt and kind, each value's median (min-max) and ratio."""
+    default = getattr(module, name)
+    try:
+        copies = []
+        for v in values:
+            m = synthetic_model(model_name, bits=4)
+            mlx_fastops.patch(m, tune="off")
+            copies.append((f"{name}={v!r}", m, setter(module, name, v)))
+        prompt = mx.random.randint(0, copies[0][1].args.vocab_size, (64,), key=mx.random.key(1))
+        tokens = []
+        for _, m, prepare in copies:
+            prepare()
+            tokens.append(bench.generation(m, prompt, 32)[2])
+        same = ", ".join(f"{c[0]}: {t == tokens[0]}" for c, t in zip(copies[1:], tokens[1:]))
+        rows = bench.compare(copies, prompts, gen, trials=trials, warmup=1, batch=batch)
+    finally:
+        setter(module, name, default)()
+    lines = [f"| {model_name} | {r['test']} | " + " | ".join(
+        f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) {s['ratio']:.3f}x" for s in r["variants"].values())
+        + " |" for r in rows]
+    return lines, same
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", required=True, dest="setting", help="module.NAME=v1,v2,... (module of backends/cuda)")
+    ap.add_argument("--models", default="qwen3-4b")
+    ap.add_argument("-p", "--prompts", default="512")
+    ap.add_argument("-g", "--gen", type=int, default=128)
+    ap.add_argument("-n", "--trials", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=None, help="rows through BatchGenerator (default: one sequence)")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    a = ap.parse_args(argv)
+    module, name, values = parse_setting(a.setting)
+    prompts = [int(p) for p in a.prompts.split(",")]
+    head = ["| model | test | " + " | ".join(f"{name}={v!r} tok/s" for v in values) + " |",
+            "|---|---|" + "---|" * len(values)]
+    lines, notes = [], []
+    for model_name in a.models.split(","):
+        rows, same = ab(model_name, module, name, values, prompts, a.gen, a.trials, a.batch)
+        lines += rows
+        notes.append(f"{model_name}: greedy tokens equal to {name}={values[0]!r}'s: {same}")
+    m = bench.machine()
+    text = "\n".join(
+        [f"# {name} A/B ({module.__name__})", "", *head, *lines, "", *notes, "",
+         f"{a.trials} trials after 1 warm-up round, values in rotating order; ratio of medians to the first. "
+         f"{m.get('gpu') or m['device']}; mlx {m['mlx']}; commit {m['commit']} (sources {m['sources']})."])
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()
