@@ -5,9 +5,10 @@ by the benchmark engine (bench.compare: alternating order, medians with min-max)
     python3 benchmarks/cuda_ab.py --set attention.ATTN_TARGET_BLOCKS=264,528 [--models qwen3-4b]
         [-p 8192,512] [-g 128] [-n 3] [--batch B] [--out FILE.md]
 
-One copy per value (the first is the baseline of the ratios). Before each of its generations a
-copy's value is set and the kernel builders' caches are cleared, so that what its compiled step
-traces (at its first generation and at each new buffer length) is built under its own value.
+One copy per value (the first is the baseline of the ratios), patched under its value. Before each
+of its generations a copy's value is set and the kernel builders' caches are cleared, so that what
+its compiled step traces (at its first generation and at each new buffer length) is built under its
+own value. A constant that another module of the backend imported by name is refused.
 Before timing, each copy generates 32 greedy tokens after one prompt: the table says whether they
 equal the first copy's (a setting that changes no arithmetic must keep them). --batch B: B rows
 through mlx-lm's BatchGenerator (bench.batch_generation). Prints a Markdown table (and writes it to
@@ -17,6 +18,7 @@ through mlx-lm's BatchGenerator (bench.batch_generation). Prints a Markdown tabl
 import argparse
 import ast
 import importlib
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import mlx.core as mx
 
 import mlx_fastops
 from mlx_fastops import bench, kernels, synthetic_model
+from mlx_fastops.backends import cuda
 
 
 def parse_setting(text):
@@ -35,20 +38,31 @@ def parse_setting(text):
     if not sep or not mod or not name or not values:
         raise SystemExit(f"cuda_ab: --set takes module.NAME=v1,v2 (e.g. attention.ATTN_TARGET_BLOCKS=264,528), "
                          f"got {text!r}")
-    module = importlib.import_module(f"mlx_fastops.backends.cuda.{mod}")
+    modules = {m.name: importlib.import_module(f"{cuda.__name__}.{m.name}")
+               for m in pkgutil.iter_modules(cuda.__path__)}
+    if mod not in modules:
+        raise SystemExit(f"cuda_ab: no module {mod!r} in mlx_fastops.backends.cuda; there are {sorted(modules)}")
+    module = modules[mod]
     if not hasattr(module, name):
         raise SystemExit(f"cuda_ab: mlx_fastops.backends.cuda.{mod} has no {name}")
+    # A constant another module imported by name keeps its old value there: the copies would differ
+    # in one module only.
+    copies = sorted(other for other, m in modules.items() if m is not module and hasattr(m, name))
+    if copies:
+        raise SystemExit(f"cuda_ab: {name} is also a name in {copies}: setting {mod}.{name} would not reach them")
     vals = [ast.literal_eval(v) for v in values.split(",")]
-    if len(vals) < 2:
-        raise SystemExit("cuda_ab: --set needs at least two values to compare")
+    if len(vals) < 2 or len(set(map(repr, vals))) < len(vals):
+        raise SystemExit(f"cuda_ab: --set needs at least two distinct values to compare, got {vals}")
     return module, name, vals
 
 
 def setter(module, name, value):
+    """A copy's prepare(): its value, and the kernel builders' caches cleared, so that whatever it
+    builds from here on (its compiled step's trace, lm_head, prefill kernels) is built under its
+    value; cleared at every call, so every value meets the same cache state whatever the order."""
     def prepare():
-        if getattr(module, name) != value:
-            setattr(module, name, value)
-            kernels.clear_builders()
+        setattr(module, name, value)
+        kernels.clear_builders()
     return prepare
 
 
@@ -57,15 +71,17 @@ def ab(model_name, module, name, values, prompts, gen, trials, batch=None):
     default = getattr(module, name)
     try:
         copies = []
-        for v in values:
-            m = synthetic_model(model_name, bits=4)
-            mlx_fastops.patch(m, tune="off")
-            copies.append((f"{name}={v!r}", m, setter(module, name, v)))
+        for v in values:   # patched under its value: patch() itself reads constants (rows, groups)
+            prepare = setter(module, name, v)
+            prepare()
+            model = synthetic_model(model_name, bits=4)
+            mlx_fastops.patch(model, tune="off")
+            copies.append((f"{name}={v!r}", model, prepare))
         prompt = mx.random.randint(0, copies[0][1].args.vocab_size, (64,), key=mx.random.key(1))
         tokens = []
-        for _, m, prepare in copies:
+        for _, model, prepare in copies:
             prepare()
-            tokens.append(bench.generation(m, prompt, 32)[2])
+            tokens.append(bench.generation(model, prompt, 32)[2])
         same = ", ".join(f"{c[0]}: {t == tokens[0]}" for c, t in zip(copies[1:], tokens[1:]))
         rows = bench.compare(copies, prompts, gen, trials=trials, warmup=1, batch=batch)
     finally:
@@ -95,11 +111,12 @@ def main(argv=None):
         rows, same = ab(model_name, module, name, values, prompts, a.gen, a.trials, a.batch)
         lines += rows
         notes.append(f"{model_name}: greedy tokens equal to {name}={values[0]!r}'s: {same}")
-    m = bench.machine()
+    machine = bench.machine()
     text = "\n".join(
         [f"# {name} A/B ({module.__name__})", "", *head, *lines, "", *notes, "",
          f"{a.trials} trials after 1 warm-up round, values in rotating order; ratio of medians to the first. "
-         f"{m.get('gpu') or m['device']}; mlx {m['mlx']}; commit {m['commit']} (sources {m['sources']})."])
+         f"{machine.get('gpu') or machine['device']}; mlx {machine['mlx']}; commit {machine['commit']} "
+         f"(sources {machine['sources']})."])
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")

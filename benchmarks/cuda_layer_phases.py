@@ -78,7 +78,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     default_target, default_resident = attention.ATTN_TARGET_BLOCKS, gemv.RESIDENT_BLOCKS
     try:
         for target, resident, n in [(t, r, n) for t in attn_blocks for r in residents for n in nlayers]:
-            attention.ATTN_TARGET_BLOCKS = target   # attention splits: ceil(target / (batch * kv heads * head subgroups))
+            attention.ATTN_TARGET_BLOCKS = target   # attention splits: floor(target / (batch * kv heads * head subgroups))
             if (resident or default_resident) != gemv.RESIDENT_BLOCKS:
                 gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
                 kernels.clear_builders()

@@ -1,5 +1,6 @@
 """benchmarks/cuda_ab.py, the one-process A/B of a CUDA backend setting, on a tiny model on any
-device (on the CPU the setting changes nothing that runs: the harness's own logic is tested)."""
+device: on the CPU the setting changes nothing that runs, so these test the harness itself (each
+copy patched and generating under its own value only, the table, the setting restored, bad input)."""
 
 import importlib.util
 import re
@@ -7,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+import mlx_fastops
+from mlx_fastops import bench
 from mlx_fastops.backends.cuda import attention
 
 ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--set", "attention.ATTN_TARGET_BLOCKS=264,528", "--models", "qwen3-tiny", "-p", "8", "-g", "4", "-n", "2"]
 
 
 def cuda_ab():
@@ -19,12 +23,27 @@ def cuda_ab():
     return mod
 
 
-def test_ab_table_has_every_value_and_restores_the_setting(tmp_path):
-    default = attention.ATTN_TARGET_BLOCKS
+def test_each_copy_runs_under_its_own_value_and_the_table_has_both(tmp_path, monkeypatch):
+    default, ab = attention.ATTN_TARGET_BLOCKS, cuda_ab()
+    patched, generated = {}, []   # model id -> the value at its patch; (model id, value) per generation
+    real_patch, real_generation = mlx_fastops.patch, bench.generation
+
+    def patch(model, **kw):
+        patched[id(model)] = attention.ATTN_TARGET_BLOCKS
+        return real_patch(model, **kw)
+
+    def generation(model, *args, **kw):
+        generated.append((id(model), attention.ATTN_TARGET_BLOCKS))
+        return real_generation(model, *args, **kw)
+
+    monkeypatch.setattr(ab.mlx_fastops, "patch", patch)
+    monkeypatch.setattr(bench, "generation", generation)
     out = tmp_path / "ab.md"
-    text = cuda_ab().main(["--set", "attention.ATTN_TARGET_BLOCKS=264,528", "--models", "qwen3-tiny", "-p", "8",
-                           "-g", "4", "-n", "1", "--out", str(out)])
+    text = ab.main(ARGS + ["--out", str(out)])
     assert attention.ATTN_TARGET_BLOCKS == default
+    assert sorted(patched.values()) == [264, 528]
+    assert len(generated) == 2 * (1 + 1 + 2)   # per copy: the token check, the warm-up round, 2 trials
+    assert all(patched[m] == v for m, v in generated), generated
     assert out.read_text() == text + "\n"
     head = next(line for line in text.splitlines() if line.startswith("| model"))
     assert "ATTN_TARGET_BLOCKS=264 tok/s" in head and "ATTN_TARGET_BLOCKS=528 tok/s" in head
@@ -37,9 +56,24 @@ def test_ab_table_has_every_value_and_restores_the_setting(tmp_path):
     assert "qwen3-tiny: greedy tokens equal to ATTN_TARGET_BLOCKS=264's: ATTN_TARGET_BLOCKS=528: True" in text
 
 
+def test_setting_restored_when_timing_fails(monkeypatch):
+    default, ab = attention.ATTN_TARGET_BLOCKS, cuda_ab()
+
+    def broken(*args, **kw):
+        raise RuntimeError("timing failed")
+
+    monkeypatch.setattr(bench, "compare", broken)
+    with pytest.raises(RuntimeError, match="timing failed"):
+        ab.main(["--set", "attention.ATTN_TARGET_BLOCKS=100,200", "--models", "qwen3-tiny", "-p", "8", "-g", "4"])
+    assert attention.ATTN_TARGET_BLOCKS == default
+
+
 @pytest.mark.parametrize("setting,problem", [
     ("attention.NO_SUCH=1,2", "has no NO_SUCH"),
-    ("attention.ATTN_TARGET_BLOCKS=264", "at least two values"),
+    ("nosuch.X=1,2", "no module 'nosuch'"),
+    ("attention.ATTN_WARPS=4,8", r"also a name in \['quantized_kv'\]"),   # imported by name there
+    ("attention.ATTN_TARGET_BLOCKS=264", "at least two distinct values"),
+    ("attention.ATTN_TARGET_BLOCKS=264,264", "at least two distinct values"),
     ("ATTN_TARGET_BLOCKS", "module.NAME=v1,v2"),
 ])
 def test_bad_setting_is_named_before_any_work(setting, problem):
