@@ -3,16 +3,15 @@ traced under its own value of one module constant of mlx_fastops.backends.cuda, 
 by the benchmark engine (bench.compare: alternating order, medians with min-max).
 
     python3 benchmarks/cuda_ab.py --set attention.ATTN_TARGET_BLOCKS=264,528 [--models qwen3-4b]
-        [-p 8192,512] [-g 128] [-n 3] [--batch B] [--out FILE.md]
+        [-p 8192,512] [-g 128] [-n 3] [--batch B] [--out PREFIX]
 
-One copy per value (the first is the baseline of the ratios), patched under its value. Before each
-of its generations a copy's value is set and the kernel builders' caches are cleared, so that what
-its compiled step traces (at its first generation and at each new buffer length) is built under its
-own value. A constant that another module of the backend imported by name is refused.
-Before timing, each copy generates 32 greedy tokens after one prompt: the table says whether they
-equal the first copy's (a setting that changes no arithmetic must keep them). --batch B: B rows
-through mlx-lm's BatchGenerator (bench.batch_generation). Prints a Markdown table (and writes it to
---out); decode rows only where -g > 0.
+One copy per value (the first is the baseline of the ratios and of greedy agreement), patched under
+its value. Before each of its generations a copy's value is set and the kernel builders' caches are
+cleared, so that what its compiled step traces (at its first generation and at each new buffer
+length) is built under its own value. A constant that another module of the backend imported by
+name is refused. A setting that changes no arithmetic must keep the agreement whole. --batch B: B
+rows through mlx-lm's BatchGenerator (bench.batch_generation). Prints the engine's table
+(bench.to_markdown); --out PREFIX also writes PREFIX.md and PREFIX.json.
 """
 
 import argparse
@@ -24,10 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mlx.core as mx
-
 import mlx_fastops
 from mlx_fastops import bench, kernels, synthetic_model
+from mlx_fastops.models import quant_label
 from mlx_fastops.backends import cuda
 
 
@@ -67,7 +65,7 @@ def setter(module, name, value):
 
 
 def ab(model_name, module, name, values, prompts, gen, trials, batch=None):
-    """Markdown rows of one model: per prompt and kind, each value's median (min-max) and ratio."""
+    """One model's result, as bench.run gives it: the rows of bench.compare over a copy per value."""
     default = getattr(module, name)
     try:
         copies = []
@@ -77,19 +75,10 @@ def ab(model_name, module, name, values, prompts, gen, trials, batch=None):
             model = synthetic_model(model_name, bits=4)
             mlx_fastops.patch(model, tune="off")
             copies.append((f"{name}={v!r}", model, prepare))
-        prompt = mx.random.randint(0, copies[0][1].args.vocab_size, (64,), key=mx.random.key(1))
-        tokens = []
-        for _, model, prepare in copies:
-            prepare()
-            tokens.append(bench.generation(model, prompt, 32)[2])
-        same = ", ".join(f"{c[0]}: {t == tokens[0]}" for c, t in zip(copies[1:], tokens[1:]))
         rows = bench.compare(copies, prompts, gen, trials=trials, warmup=1, batch=batch)
     finally:
         setter(module, name, default)()
-    lines = [f"| {model_name} | {r['test']} | " + " | ".join(
-        f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) {s['ratio']:.3f}x" for s in r["variants"].values())
-        + " |" for r in rows]
-    return lines, same
+    return {"model": model_name, "quant": quant_label(model), "variants": [c[0] for c in copies], "rows": rows}
 
 
 def main(argv=None):
@@ -100,26 +89,15 @@ def main(argv=None):
     ap.add_argument("-g", "--gen", type=int, default=128)
     ap.add_argument("-n", "--trials", type=int, default=3)
     ap.add_argument("--batch", type=int, default=None, help="rows through BatchGenerator (default: one sequence)")
-    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--out", default=None, help="also write OUT.md and OUT.json")
     a = ap.parse_args(argv)
     module, name, values = parse_setting(a.setting)
     prompts = [int(p) for p in a.prompts.split(",")]
-    head = ["| model | test | " + " | ".join(f"{name}={v!r} tok/s" for v in values) + " |",
-            "|---|---|" + "---|" * len(values)]
-    lines, notes = [], []
-    for model_name in a.models.split(","):
-        rows, same = ab(model_name, module, name, values, prompts, a.gen, a.trials, a.batch)
-        lines += rows
-        notes.append(f"{model_name}: greedy tokens equal to {name}={values[0]!r}'s: {same}")
-    machine = bench.machine()
-    text = "\n".join(
-        [f"# {name} A/B ({module.__name__})", "", *head, *lines, "", *notes, "",
-         f"{a.trials} trials after 1 warm-up round, values in rotating order; ratio of medians to the first. "
-         f"{machine.get('gpu') or machine['device']}; mlx {machine['mlx']}; commit {machine['commit']} "
-         f"(sources {machine['sources']})."])
+    results = [ab(m, module, name, values, prompts, a.gen, a.trials, a.batch) for m in a.models.split(",")]
+    doc = bench.document(results, prompts=prompts, gen=a.gen, trials=a.trials, warmup=1,
+                         batches=[a.batch] if a.batch else None, setting=a.setting)
+    text = bench.save(doc, a.out) if a.out else bench.to_markdown(doc)
     print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
     return text
 
 

@@ -330,7 +330,8 @@ def to_markdown(doc):
     """llama-bench-style table of every model's rows, then how it was measured and where."""
     settings, m = doc["settings"], doc["machine"]
     names = doc["models"][0]["variants"] if doc["models"] else ["stock", "patched"]
-    head = "| model | quant | test | stock t/s |" + "".join(f" {n} t/s | ratio |" for n in names[1:])
+    base = names[0]   # the baseline of ratios and agreement: stock, or the first value of an A/B
+    head = f"| model | quant | test | {base} t/s |" + "".join(f" {n} t/s | ratio |" for n in names[1:])
     lines = [head + " peak memory GB (" + " / ".join(names) + ") | greedy agreement |",
              "|---|---|---|---|" + "---|---|" * (len(names) - 1) + "---|---|"]
     for res in doc["models"]:
@@ -348,8 +349,8 @@ def to_markdown(doc):
                   + ("; xB: B sequences at once through mlx-lm's BatchGenerator, the tokens of all of them / the "
                      "time" if settings.get("batches") else "")
                   + f". Median (min-max) of {settings['trials']} trials after "
-                  f"{settings['warmup']} warm-up round(s), variants in rotating order; ratio of medians to stock. "
-                  "Greedy agreement: generated tokens equal to stock's from the first on (fewest over the trials)."
+                  f"{settings['warmup']} warm-up round(s), variants in rotating order; ratio of medians to {base}. "
+                  f"Greedy agreement: generated tokens equal to {base}'s from the first on (fewest over the trials)."
               + (f" Patched with {disable} left stock." if disable else "")
               + (" tuned: patched with tune, each fusion timed against stock on this device and kept only "
                  "where it wins (the decisions are below)." if "tuned" in names else "")
