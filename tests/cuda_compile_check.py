@@ -5,8 +5,10 @@ PTX with NVRTC (what MLX uses) and assembles it with `ptxas -arch=sm_90a -v` for
 spills. Usage: python3 tests/cuda_compile_check.py [filter]
 
 NVRTC and ptxas come from a CUDA install or from the PyPI wheels nvidia-cuda-nvrtc-cu12,
-nvidia-cuda-nvcc-cu12 (ptxas) and nvidia-cuda-runtime-cu12 (headers), unpacked anywhere:
-set CUDA_WHEELS=<dir holding nvidia/> (default: a CUDA install under /usr/local/cuda).
+nvidia-cuda-nvcc-cu12 (ptxas) and nvidia-cuda-runtime-cu12 (headers), or their CUDA 13 forms
+nvidia-cuda-nvrtc, nvidia-cuda-runtime and nvidia-cuda-cccl (nvidia/cu13/...), unpacked anywhere:
+set CUDA_WHEELS=<dir holding nvidia/> (default: a CUDA install under /usr/local/cuda). NVRTC must
+not be newer than the ptxas (a CUDA 13.0 ptxas refuses 13.5's PTX: take nvidia-cuda-nvrtc==13.0.*).
 """
 
 import ctypes
@@ -68,9 +70,14 @@ def _find(patterns):
 
 
 def nvrtc_ptx(src, name):
-    lib = ctypes.CDLL(_find(["nvidia/cuda_nvrtc/lib/libnvrtc.so*", "lib64/libnvrtc.so*"]))
-    inc = os.path.dirname(_find(["nvidia/cuda_runtime/include/cuda_bf16.h", "include/cuda_bf16.h"]))
-    cccl = os.path.dirname(os.path.dirname(_find(["nvidia/cuda_cccl/include/nv/target", "include/nv/target"])))
+    path = _find(["nvidia/cuda_nvrtc/lib/libnvrtc.so*", "nvidia/cu13/lib/libnvrtc.so*", "lib64/libnvrtc.so*"])
+    for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*")):
+        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)   # NVRTC opens it by name: a wheel's is not on the search path
+    lib = ctypes.CDLL(path)
+    inc = os.path.dirname(_find(["nvidia/cuda_runtime/include/cuda_bf16.h", "nvidia/cu13/include/cuda_bf16.h",
+                                 "include/cuda_bf16.h"]))
+    cccl = os.path.dirname(os.path.dirname(_find(["nvidia/cuda_cccl/include/nv/target", "nvidia/cu13/include/cccl/nv/target",
+                                                  "include/nv/target"])))
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None) == 0
     opts = [b"--gpu-architecture=compute_90a", b"-std=c++17", b"-default-device", f"-I{inc}".encode(),
