@@ -12,6 +12,7 @@ not be newer than the ptxas (a CUDA 13.0 ptxas refuses 13.5's PTX: take nvidia-c
 """
 
 import ctypes
+import functools
 import glob
 import os
 import re
@@ -69,7 +70,9 @@ def _find(patterns):
     raise SystemExit(f"not found: {patterns} under {roots} (set CUDA_WHEELS)")
 
 
-def nvrtc_ptx(src, name):
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    """(NVRTC library, CUDA include dir, CCCL include dir), found and loaded once for every case."""
     path = _find(["nvidia/cuda_nvrtc/lib/libnvrtc.so*", "nvidia/cu13/lib/libnvrtc.so*", "lib64/libnvrtc.so*"])
     for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*")):
         ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)   # NVRTC opens it by name: a wheel's is not on the search path
@@ -78,6 +81,11 @@ def nvrtc_ptx(src, name):
                                  "include/cuda_bf16.h"]))
     cccl = os.path.dirname(os.path.dirname(_find(["nvidia/cuda_cccl/include/nv/target", "nvidia/cu13/include/cccl/nv/target",
                                                   "include/nv/target"])))
+    return lib, inc, cccl
+
+
+def nvrtc_ptx(src, name):
+    lib, inc, cccl = _nvrtc()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None) == 0
     opts = [b"--gpu-architecture=compute_90a", b"-std=c++17", b"-default-device", f"-I{inc}".encode(),
