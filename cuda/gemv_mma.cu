@@ -178,10 +178,9 @@
   for (;;) {   // tiles
 #if STREAM
     if (tile + STREAM < tiles) {   // the next tile's rows go to L2 while this one runs
-      const int c0r = r0, c1r = r1;
       tile_rows(tile + STREAM);
       prefetch_tile();
-      r0 = c0r; r1 = c1r;
+      tile_rows(tile);
     }
 #endif
     float acc[4] = {0.f, 0.f, 0.f, 0.f};   // (r0, m0), (r0, m1), (r1, m0), (r1, m1)

@@ -101,7 +101,7 @@ def x_stage_bytes(M, bits, vec, stage):
 # where the weights are 4-bit in groups of 64, K is a multiple of 256, the staged x fits, and the
 # phase has at least MMA_MIN_TILES tiles of 16 weight rows (each tile is one block of 4 warps
 # splitting K: fewer tiles leave SMs idle).
-MMA_MIN_TILES = 256
+MMA_MIN_TILES = 1024
 
 
 def mma_tiles(N, epi):
