@@ -158,47 +158,7 @@
   const int KN = K;
 #endif
 #if HAS_NORM
-  __shared__ float s_inv[M];
-  {
-    // per-row inverse RMS over K, fp32, like rms_norm
-    __shared__ float s_red[NW][M];
-    float ss[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) ss[m] = 0.f;
-    // 16-byte loads (K is a multiple of the group size, so of 16 / sizeof(T)): the prologue is
-    // on every block's critical path
-    constexpr int XP = 16 / (int)sizeof(T);
-#pragma unroll
-    for (int i = 0; i < (KN + NW * 32 * XP - 1) / (NW * 32 * XP); ++i) {
-      const int k = (threadIdx.x + i * NW * 32) * XP;
-      if (k >= KN) break;
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        alignas(16) T tmp[XP];
-        *reinterpret_cast<uint4*>(tmp) = *reinterpret_cast<const uint4*>(x + (size_t)m * KN + k);
-#pragma unroll
-        for (int j = 0; j < XP; ++j) {
-          const float t = static_cast<float>(tmp[j]);
-          ss[m] += t * t;
-        }
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = ss[m];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) s_red[warp][m] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < M) {
-      float v = 0.f;
-#pragma unroll
-      for (int i = 0; i < NW; ++i) v += s_red[i][threadIdx.x];
-      s_inv[threadIdx.x] = rsqrtf(v / KN + EPS);
-    }
-    __syncthreads();
-  }
+#include "row_norm.cuh"
 #endif
 #if XK
   // Stage x (normalized): chunk ch (EPW elements, one lane-step) of row m is stored as EPW/4

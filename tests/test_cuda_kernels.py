@@ -293,21 +293,25 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
     assert (np.asarray(got).argmax(-1)[clear] == o.argmax(-1)[clear]).all()
 
 
-@pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1), ("qwen2-tiny", 1, 1),
-                                          ("qwen3-tiny", 2, 3)])
-def test_one_launch_layer_matches_stock_block(name, batch, L, monkeypatch):
+@pytest.mark.parametrize("name,batch,L,mma", [("qwen3-tiny", 1, 1, False), ("llama-tiny", 2, 1, False),
+                                              ("qwen2-tiny", 1, 1, False), ("qwen3-tiny", 2, 3, False),
+                                              ("llama-tiny", 1, 1, True), ("qwen2-tiny", 2, 3, True)])
+def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     """One layer's launch (fb.core) against the decoder block it replaces, evaluated in float32
     (dequantised weights, float32 activations) on the same inputs over a KVCache holding the same
     P cached rows: the block's output and the k/v rows written in place into the cache buffers
     (nothing else there moves), no further from float32 than the stock bf16 block (which adds up
     in bf16). Again with x unstaged (the path of rows too long for shared memory) and with
     attention blocks of another number of query heads (all G, or 1 where the default takes all):
-    bit for bit the default launch's."""
+    bit for bit the default launch's. mma: every phase that gemv_mma.cu can take runs on it."""
     from mlx_lm.models.cache import KVCache
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its tiles
+        monkeypatch.setattr(G, "MMA_MIN_TILES", 1)
+        kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
     stock = model.model.layers[0]
     mlx_fastops.patch(model, disable=("compile",))
@@ -326,15 +330,21 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, monkeypatch):
             return out, kc, vc
 
         launched = run()
-        with unstaged():
-            variants = [run()]
-        G_ = fb.H // fb.HKV
-        fb.gb, gb = (G_ if G_ != fb.gb else 1), fb.gb   # attention blocks of another head count
-        variants.append(run())
-        fb.gb = gb
+        variants = []
+        if mma:   # gate/up ran on tensor cores (the variants below would turn it off: other bits)
+            gu = fb.gate_up
+            assert G.mma_takes(mx.bfloat16, batch * L, gu.in_features, gu.out_features, 4, 64, 2, False, True)
+        else:
+            with unstaged():
+                variants = [run()]
+            G_ = fb.H // fb.HKV
+            fb.gb, gb = (G_ if G_ != fb.gb else 1), fb.gb   # attention blocks of another head count
+            variants.append(run())
+            fb.gb = gb
         assert not np.asarray(fb.layer_counters(1)).any(), "counters not reset"
     finally:
         mlx_fastops.unpatch(model)
+        kernels.clear_builders()   # no kernel built with the forced tiles outlives the test
     oracle = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)).model.layers[0]
     f32 = lambda a: a.astype(mx.float32)
     mask = "causal" if L > 1 else None
@@ -427,18 +437,23 @@ def test_attention_splits_within_one_wave(name, heads, one_row):
             assert nsplit == one_row
 
 
-@pytest.mark.parametrize("variant", ["one_wave", "stream"])
-@pytest.mark.parametrize("name,batch,L", [("qwen3-tiny", 1, 1), ("llama-tiny", 2, 1)])
+@pytest.mark.parametrize("variant,name,batch,L", [
+    ("one_wave", "qwen3-tiny", 1, 1), ("one_wave", "llama-tiny", 2, 1), ("stream", "qwen3-tiny", 1, 1),
+    ("stream", "llama-tiny", 2, 1), ("stream_mma", "llama-tiny", 1, 1), ("stream_mma", "llama-tiny", 2, 3)])
 def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
     """The launch's blocking rules, forced onto a tiny model by a smaller wave, keep the layer's
     outputs and cache rows bit for bit. one_wave (a one-block wave, any K): every GEMV phase takes
     its most rows per warp (QKV 4, so its blocks tile a head in 4 instead of 16). stream (a
     three-block wave): the o_proj, gate/up and down phases run their row groups 3 blocks at a time,
-    in uneven shares, against one group per block."""
+    in uneven shares, against one group per block. stream_mma: the same over gemv_mma.cu's tiles
+    (gate/up's 56 tiles 3 blocks at a time)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    if variant == "stream_mma":
+        monkeypatch.setattr(G, "MMA_MIN_TILES", 1)
+        kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
     mlx_fastops.patch(model, disable=("compile",))
     try:
@@ -464,8 +479,12 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
         else:
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 3)
             kernels.clear_builders()
-            R = G.gemv_config(M, K, fb.gate_up.out_features, 4, 2, True)[1]
-            nb = G.gemv_blocks(fb.gate_up.out_features, 2, R, 4)
+            N = fb.gate_up.out_features
+            if variant == "stream_mma":
+                assert G.mma_takes(mx.bfloat16, M, K, N, 4, 64, 2, False, True)
+                nb = G.mma_tiles(N, 2)
+            else:
+                nb = G.gemv_blocks(N, 2, G.gemv_config(M, K, N, 4, 2, True)[1], 4)
             assert G.stream_blocks(nb) == 3 and nb % 3   # streamed, in uneven shares
         forced = run()
     finally:

@@ -97,6 +97,38 @@ def x_stage_bytes(M, bits, vec, stage):
     return M * ((2 if xt else 4) * xk + 4 * (xk // lane_elems(bits, vec)))
 
 
+# The one-launch layer's o_proj, gate/up and down phases run on tensor cores (cuda/gemv_mma.cu)
+# where the weights are 4-bit in groups of 64, K is a multiple of 256, the staged x fits, and the
+# phase has at least MMA_MIN_TILES tiles of 16 weight rows (each tile is one block of 4 warps
+# splitting K: fewer tiles leave SMs idle).
+MMA_MIN_TILES = 1024
+
+
+def mma_tiles(N, epi):
+    """Tiles of 16 weight rows of gemv_mma.cu (EPI 2: 8 gate rows and their 8 up rows)."""
+    return -(-(N // 2 if epi == 2 else N) // (8 if epi == 2 else 16))
+
+
+def mma_stage_bytes(M, K):
+    """Dynamic shared memory of gemv_mma.cu: x in the mma's k order (2 bytes a value), each group
+    and row's two fp32 sums, and the 4 warps' partials."""
+    return (K // 64) * M * (128 + 8) + 4 * 32 * 16
+
+
+def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):
+    """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu)."""
+    return (dtype in HALF and bits == 4 and gs == 64 and epi in (1, 2) and not bias and K % 256 == 0
+            and room and mma_stage_bytes(M, K) <= STAGE_MAX_BYTES and mma_tiles(N, epi) >= MMA_MIN_TILES)
+
+
+def mma_defines(dtype, M, epi, eps, stream):
+    """#defines of a gemv_mma.cu phase (4 warps a block; stream: STREAM, 0 for a tile per block)."""
+    d = dict(M=M, NW=4, EPI=epi, HAS_NORM=eps is not None, STREAM=stream, MMA_BF16=dtype == mx.bfloat16)
+    if eps is not None:
+        d["EPS"] = flt(eps)
+    return d
+
+
 def gemv_inputs(norm, bias, res, head=None):
     names = ["x", "w", "sc", "bi"]
     if norm:
