@@ -10,26 +10,31 @@
 // row), and the instructions per weight at one row are about half of gemv.cu's.
 //
 // A tile is 16 weight rows (EPI 2: 8 gate rows and the 8 matching up rows); lane l holds rows l/4
-// and l/4 + 8. The block's NW warps split K in chunks of 4 groups (128 bytes of a row) and add
-// their fp32 partials in warp order. A lane loads 8 bytes (16 nibbles) of each of its rows per
-// group: the 4 lanes of a row read the group's 32 bytes. One mask-and-or per nibble pair makes T
-// values E + q (nibbles i, i + 4 of a word, even k-slots) or E + 8q (nibbles i + 1, i + 5 after a
-// 1-bit shift, odd k-slots) under the exponent of E (128 bf16, 1024 f16: exact). The order of k
-// inside an mma is free as long as A and B agree, so x is staged once per block in shared memory in
-// the same order (odd slots as x / 8, exact), with each group and row's sig = E * sum_even x +
-// E/8 * sum_odd x and sum x in fp32:
+// and l/4 + 8. A lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a
+// row read the group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles
+// i, i + 4 of a word, even k-slots) or E + 8q (nibbles i + 1, i + 5 after a 1-bit shift, odd
+// k-slots) under the exponent of E (128 bf16, 1024 f16: exact). The order of k inside an mma is
+// free as long as A and B agree, so x is staged in shared memory in the same order (odd slots as
+// x / 8, exact), with each group and row's sig = E * sum_even x + E/8 * sum_odd x and sum x in fp32:
 //   sum_{k in g} x q = D - sig,   acc += s * (D - sig) + b * sum x
 // The next chunk's weights, scales and biases load while the current one is used.
 //
-// Optional input RMSNorm (HAS_NORM, row_norm.cuh): x <- T(T(x * s_inv) * nw) before staging, the
-// rounding points of mx.fast.rms_norm. Row groups in turn (STREAM): block b runs tiles b, b +
-// STREAM, ..., sending the next tile's rows to L2 before the current one; x is staged once.
-// Before WAIT_INPUTS (a phase of the one-launch layer) the first tile's rows go to L2 and its
-// first chunk into registers: nothing read before it depends on the earlier phases.
+// K runs in slices of KS groups (all of K where the staged x fits: gemv.py's mma_plan), each
+// staged once per block: for each slice, the block runs its tiles (block b: tiles b, b + STREAM,
+// ...; STREAM 0: tile b alone), its NW warps splitting the slice in chunks of 4 groups (128 bytes
+// of a row). A warp adds its partial of a tile to its slot in shared memory (slices in order);
+// after the last slice the slots of a tile are added in warp order, so the float arithmetic
+// depends on KS but not on the blocking. A tile's rows go to L2 while the one before runs.
+//
+// Optional input RMSNorm (HAS_NORM, row_norm.cuh): x <- T(T(x * s_inv) * nw) as it is staged, the
+// rounding points of mx.fast.rms_norm. Before WAIT_INPUTS (a phase of the one-launch layer) the
+// first tile's rows go to L2 and its first chunk into registers: nothing read before it depends on
+// the earlier phases.
 //
 // Epilogues (EPI): 1 residual y[m, n] = T(res[m, n] + T(acc)); 2 swiglu y[m, j] =
 // T(T(silu(T(acc_gate))) * T(acc_up)), gate row j, up row j + N/2 (gemv.cu's rounding points).
-// Defines: T (bf16 / f16), MMA_BF16, M (<= 8), NW, EPI, HAS_NORM (+ EPS), STREAM, BLOCK_X, [WAIT_INPUTS].
+// Defines: T (bf16 / f16), MMA_BF16, M (<= 8), NW, EPI, HAS_NORM (+ EPS), KS, STREAM, TPB (tiles a
+// block runs at most), BLOCK_X, [WAIT_INPUTS].
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]].
 // Output: y [M, N] (EPI 2: [M, N/2]). Dynamic shared memory: gemv.py's mma_stage_bytes.
 
@@ -41,17 +46,24 @@
   constexpr float E = 1024.f;
 #endif
   constexpr int TR = EPI == 2 ? 8 : 16;        // output rows per tile
-  const int N = w_shape[0], KW = w_shape[1], K = KW * 8, NG = K / 64, NC = NG / 4;
+  constexpr int SC = KS / 4, CPW = (SC + NW - 1) / NW;   // chunks of a slice; of a warp in a slice
+  const int N = w_shape[0], KW = w_shape[1], K = KW * 8, NG = K / 64, NC = NG / 4, NS = (NG + KS - 1) / KS;
   const int NOUT = EPI == 2 ? N / 2 : N;
   const int tiles = (NOUT + TR - 1) / TR;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t = lane & 3;
-  const int cpw = (NC + NW - 1) / NW, cb = warp * cpw, ce = min(NC, cb + cpw);   // this warp's chunks
+#if STREAM
+  const int ntiles = (tiles - BLOCK_X + STREAM - 1) / STREAM;   // this block's tiles
+#else
+  const int ntiles = 1;
+#endif
 
-  int tile = BLOCK_X;
   int r0, r1;   // this lane's weight rows in the tile (past the end: the last row, not stored)
-  auto tile_rows = [&](int tl) {
+  int cb, ce;   // this warp's chunks of the slice
+  auto item = [&](int tl, int sl) {   // tile tl, slice sl
     if (EPI == 2) { r0 = min(tl * 8 + g8, NOUT - 1); r1 = r0 + NOUT; }
     else { r0 = min(tl * 16 + g8, N - 1); r1 = min(tl * 16 + g8 + 8, N - 1); }
+    cb = sl * SC + warp * CPW;
+    ce = min(min(NC, (sl + 1) * SC), cb + CPW);
   };
   struct Chunk { uint2 a[4], b[4], s[4]; };   // rows r0 / r1: 4 groups' words; scales/biases of 4 groups
   auto load = [&](Chunk& k, int c) {
@@ -64,85 +76,35 @@
     k.s[2] = __ldg(reinterpret_cast<const uint2*>(sc + (size_t)r1 * NG) + c);
     k.s[3] = __ldg(reinterpret_cast<const uint2*>(bi + (size_t)r1 * NG) + c);
   };
-  auto prefetch_tile = [&]() {   // this warp's chunks of rows r0, r1 (one 128-byte line per chunk)
+  auto prefetch_item = [&]() {   // this warp's chunks of rows r0, r1 (one 128-byte line per chunk)
     for (int c = cb + t; c < ce; c += 4) {
       prefetch_l2(w + (size_t)r0 * KW + 32 * c);
       prefetch_l2(w + (size_t)r1 * KW + 32 * c);
     }
-    if (t == 0) {
+    if (t == 0 && cb < ce) {
       prefetch_l2(sc + (size_t)r0 * NG + 4 * cb); prefetch_l2(bi + (size_t)r0 * NG + 4 * cb);
       prefetch_l2(sc + (size_t)r1 * NG + 4 * cb); prefetch_l2(bi + (size_t)r1 * NG + 4 * cb);
     }
   };
   Chunk ka, kb;   // ping-pong: the next chunk loads while this one is used
-  tile_rows(tile);
+  item(BLOCK_X, 0);
   if (cb < ce) load(ka, cb);
 #ifdef WAIT_INPUTS
-  prefetch_tile();
+  prefetch_item();
   WAIT_INPUTS;
 #endif
 
-  // ---- x staged: s_x [NG][2][M][4] uint4 (mma pairs (2h, 2h + 1) of group g, row m, lane t),
-  // s_ss [NG][M] (sig, sum x), then the warps' partials ----
+  // ---- shared memory: s_x [KS][2][M][4] uint4 (a slice's x: mma pairs (2h, 2h + 1) of group g,
+  // row m, lane t), s_ss [KS][M] (sig, sum x), s_acc [TPB][NW][32] (the warps' partials; one slice:
+  // one set) ----
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
   uint4* const s_x = reinterpret_cast<uint4*>(s_stage);
-  float2* const s_ss = reinterpret_cast<float2*>(s_x + NG * 8 * M);
+  float2* const s_ss = reinterpret_cast<float2*>(s_x + KS * 8 * M);
+  float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_ss + KS * M);
 #if HAS_NORM
   const int KN = K;
 #include "row_norm.cuh"
 #endif
-  for (int c0 = 0; c0 < NG * M * 4; c0 += NW * 32) {   // whole warps per step: the sums' shuffles
-    const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gi = min((c >> 2) / M, NG - 1);
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
-    uint4 xa = xp[0], xb = xp[1];
-    uint32_t wd[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#if HAS_NORM
-    const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
-    const uint4 na = np[0], nb = np[1];
-    const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      alignas(4) T v[2], n2[2];
-      *reinterpret_cast<uint32_t*>(v) = wd[i];
-      *reinterpret_cast<uint32_t*>(n2) = nd[i];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const T nv = static_cast<T>(static_cast<float>(v[e]) * s_inv[m]);
-        v[e] = static_cast<T>(static_cast<float>(n2[e]) * static_cast<float>(nv));
-      }
-      wd[i] = *reinterpret_cast<const uint32_t*>(v);
-    }
-#endif
-    uint32_t frag[8];
-    float se = 0.f, so = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {   // mma j: the lane's word h = j / 2 (k 8h..8h+7), pairs p = j % 2
-      const uint32_t* q = wd + 4 * (j >> 1);
-      const int p = j & 1;
-      alignas(4) T ev[2], od[2];
-      *reinterpret_cast<uint32_t*>(ev) = __byte_perm(q[p], q[p + 2], 0x5410);   // k 2p, 2p + 4
-      *reinterpret_cast<uint32_t*>(od) = __byte_perm(q[p], q[p + 2], 0x7632);   // k 2p + 1, 2p + 5
-      se += static_cast<float>(ev[0]) + static_cast<float>(ev[1]);
-      so += static_cast<float>(od[0]) + static_cast<float>(od[1]);
-      frag[2 * j] = *reinterpret_cast<const uint32_t*>(ev);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) od[e] = static_cast<T>(static_cast<float>(od[e]) * 0.125f);
-      frag[2 * j + 1] = *reinterpret_cast<const uint32_t*>(od);
-    }
-    // the group's sums over its 4 lanes (a quad: tt = lane & 3)
-#pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {
-      se += __shfl_xor_sync(0xffffffffu, se, o);
-      so += __shfl_xor_sync(0xffffffffu, so, o);
-    }
-    if (c < NG * M * 4) {
-      s_x[((gi * 2 + 0) * M + m) * 4 + tt] = make_uint4(frag[0], frag[1], frag[2], frag[3]);
-      s_x[((gi * 2 + 1) * M + m) * 4 + tt] = make_uint4(frag[4], frag[5], frag[6], frag[7]);
-      if (tt == 0) s_ss[gi * M + m] = make_float2(E * se + (E / 8) * so, se + so);
-    }
-  }
-  __syncthreads();
-
   auto mma = [](float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #ifdef __CUDA_ARCH__
 #if MMA_BF16
@@ -173,64 +135,127 @@
   };
   // lanes past the M rows compute on row M - 1's sums and are not stored
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
-  float4 (*const s_red)[32] = reinterpret_cast<float4 (*)[32]>(s_ss + NG * M);   // [NW][32]: the warps' partials
 
-  for (;;) {   // tiles
-#if STREAM
-    if (tile + STREAM < tiles) {   // the next tile's rows go to L2 while this one runs
-      tile_rows(tile + STREAM);
-      prefetch_tile();
-      tile_rows(tile);
-    }
+  for (int s = 0; s < NS; ++s) {
+    const int g0 = s * KS, ng = min(KS, NG - g0);
+    if (s > 0) __syncthreads();   // every warp is done with the previous slice's x
+    for (int c0 = 0; c0 < ng * M * 4; c0 += NW * 32) {   // whole warps per step: the sums' shuffles
+      const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
+      const int gi = g0 + gl;
+      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
+      uint4 xa = xp[0], xb = xp[1];
+      uint32_t wd[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#if HAS_NORM
+      const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
+      const uint4 na = np[0], nb = np[1];
+      const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        alignas(4) T v[2], n2[2];
+        *reinterpret_cast<uint32_t*>(v) = wd[i];
+        *reinterpret_cast<uint32_t*>(n2) = nd[i];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const T nv = static_cast<T>(static_cast<float>(v[e]) * s_inv[m]);
+          v[e] = static_cast<T>(static_cast<float>(n2[e]) * static_cast<float>(nv));
+        }
+        wd[i] = *reinterpret_cast<const uint32_t*>(v);
+      }
 #endif
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};   // (r0, m0), (r0, m1), (r1, m0), (r1, m1)
-    auto compute = [&](const Chunk& k, int c) {
+      uint32_t frag[8];
+      float se = 0.f, so = 0.f;
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int g = 4 * c + u;
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int j = 0; j < 4; ++j) {   // mma j: the lane's word h = j / 2 (k 8h..8h+7), pairs p = j % 2
+        const uint32_t* q = wd + 4 * (j >> 1);
+        const int p = j & 1;
+        alignas(4) T ev[2], od[2];
+        *reinterpret_cast<uint32_t*>(ev) = __byte_perm(q[p], q[p + 2], 0x5410);   // k 2p, 2p + 4
+        *reinterpret_cast<uint32_t*>(od) = __byte_perm(q[p], q[p + 2], 0x7632);   // k 2p + 1, 2p + 5
+        se += static_cast<float>(ev[0]) + static_cast<float>(ev[1]);
+        so += static_cast<float>(od[0]) + static_cast<float>(od[1]);
+        frag[2 * j] = *reinterpret_cast<const uint32_t*>(ev);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint4 xf = make_uint4(0u, 0u, 0u, 0u);
-          if (g8 < M) xf = s_x[((g * 2 + h) * M + g8) * 4 + t];
-          const uint32_t wa = h ? k.a[u].y : k.a[u].x, wb = h ? k.b[u].y : k.b[u].x;
+        for (int e = 0; e < 2; ++e) od[e] = static_cast<T>(static_cast<float>(od[e]) * 0.125f);
+        frag[2 * j + 1] = *reinterpret_cast<const uint32_t*>(od);
+      }
+      // the group's sums over its 4 lanes (a quad: tt = lane & 3)
 #pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            const uint32_t a[4] = {lop(wa >> (8 * p), 0x000F000Fu), lop(wb >> (8 * p), 0x000F000Fu),
-                                   lop(wa >> (8 * p + 1), 0x00780078u), lop(wb >> (8 * p + 1), 0x00780078u)};
-            mma(d, a, p ? xf.z : xf.x, p ? xf.w : xf.y);
+      for (int o = 1; o < 4; o <<= 1) {
+        se += __shfl_xor_sync(0xffffffffu, se, o);
+        so += __shfl_xor_sync(0xffffffffu, so, o);
+      }
+      if (c < ng * M * 4) {
+        s_x[((gl * 2 + 0) * M + m) * 4 + tt] = make_uint4(frag[0], frag[1], frag[2], frag[3]);
+        s_x[((gl * 2 + 1) * M + m) * 4 + tt] = make_uint4(frag[4], frag[5], frag[6], frag[7]);
+        if (tt == 0) s_ss[gl * M + m] = make_float2(E * se + (E / 8) * so, se + so);
+      }
+    }
+    __syncthreads();
+
+    for (int i = 0; i < ntiles; ++i) {   // this block's tiles over the slice
+      const int tile = BLOCK_X + i * STREAM;
+      // the next item: this slice's next tile, else the block's first tile of the next slice
+      const int next_tile = i + 1 < ntiles ? tile + STREAM : BLOCK_X, next_s = i + 1 < ntiles ? s : s + 1;
+      if (next_s < NS) {   // its rows go to L2 while this one runs
+        item(next_tile, next_s);
+        prefetch_item();
+        item(tile, s);
+      }
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};   // (r0, m0), (r0, m1), (r1, m0), (r1, m1)
+      auto compute = [&](const Chunk& k, int c) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int g = 4 * c + u, gl = g - g0;   // gl: the group in the staged slice
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint4 xf = make_uint4(0u, 0u, 0u, 0u);
+            if (g8 < M) xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
+            const uint32_t wa = h ? k.a[u].y : k.a[u].x, wb = h ? k.b[u].y : k.b[u].x;
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const uint32_t a[4] = {lop(wa >> (8 * p), 0x000F000Fu), lop(wb >> (8 * p), 0x000F000Fu),
+                                     lop(wa >> (8 * p + 1), 0x00780078u), lop(wb >> (8 * p + 1), 0x00780078u)};
+              mma(d, a, p ? xf.z : xf.x, p ? xf.w : xf.y);
+            }
+          }
+          const uint32_t s0 = (u < 2) ? k.s[0].x : k.s[0].y, b0 = (u < 2) ? k.s[1].x : k.s[1].y;
+          const uint32_t s1 = (u < 2) ? k.s[2].x : k.s[2].y, b1 = (u < 2) ? k.s[3].x : k.s[3].y;
+          const float sv0 = tval(s0, u & 1), bv0 = tval(b0, u & 1), sv1 = tval(s1, u & 1), bv1 = tval(b1, u & 1);
+          const float2 e0 = s_ss[gl * M + m0];
+          acc[0] += sv0 * (d[0] - e0.x) + bv0 * e0.y;
+          acc[2] += sv1 * (d[2] - e0.x) + bv1 * e0.y;
+          if (M > 1) {
+            const float2 e1 = s_ss[gl * M + m1];
+            acc[1] += sv0 * (d[1] - e1.x) + bv0 * e1.y;
+            acc[3] += sv1 * (d[3] - e1.x) + bv1 * e1.y;
           }
         }
-        const uint32_t s0 = (u < 2) ? k.s[0].x : k.s[0].y, b0 = (u < 2) ? k.s[1].x : k.s[1].y;
-        const uint32_t s1 = (u < 2) ? k.s[2].x : k.s[2].y, b1 = (u < 2) ? k.s[3].x : k.s[3].y;
-        const float sv0 = tval(s0, u & 1), bv0 = tval(b0, u & 1), sv1 = tval(s1, u & 1), bv1 = tval(b1, u & 1);
-        const float2 e0 = s_ss[g * M + m0];
-        acc[0] += sv0 * (d[0] - e0.x) + bv0 * e0.y;
-        acc[2] += sv1 * (d[2] - e0.x) + bv1 * e0.y;
-        if (M > 1) {
-          const float2 e1 = s_ss[g * M + m1];
-          acc[1] += sv0 * (d[1] - e1.x) + bv0 * e1.y;
-          acc[3] += sv1 * (d[3] - e1.x) + bv1 * e1.y;
-        }
+      };
+      for (int c = cb; c < ce; c += 2) {
+        if (c + 1 < ce) load(kb, c + 1);
+        compute(ka, c);
+        if (c + 1 >= ce) break;
+        if (c + 2 < ce) load(ka, c + 2);
+        compute(kb, c + 1);
       }
-    };
-    for (int c = cb; c < ce; c += 2) {
-      if (c + 1 < ce) load(kb, c + 1);
-      compute(ka, c);
-      if (c + 1 >= ce) break;
-      if (c + 2 < ce) load(ka, c + 2);
-      compute(kb, c + 1);
-    }
-
-    // ---- the warps' partials, added in warp order; warp 0 stores ----
-    __syncthreads();   // warp 0 is done with the previous tile's s_red
-    s_red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    __syncthreads();
-    if (warp == 0) {
+      // this warp's partial of the tile: kept in slot i over the slices, added in warp order after the last
+      float4 (&slots)[NW][32] = s_acc[NS > 1 ? i : 0];
+      const bool last = s + 1 == NS;
+      if (last) __syncthreads();   // (one slice: warp 0 is done with the previous tile's slots)
+      const float4 prev = s > 0 ? slots[warp][lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+      slots[warp][lane] = make_float4(prev.x + acc[0], prev.y + acc[1], prev.z + acc[2], prev.w + acc[3]);
+      if (next_s < NS) {
+        item(next_tile, next_s);
+        if (cb < ce) load(ka, cb);
+      }
+      if (!last) continue;
+      __syncthreads();
+      if (warp != 0) continue;
       float v[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int i = 0; i < NW; ++i) {
-        const float4 p = s_red[i][lane];
+      for (int j = 0; j < NW; ++j) {
+        const float4 p = slots[j][lane];
         v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
       }
 #pragma unroll
@@ -256,12 +281,4 @@
 #endif
       }
     }
-#if STREAM
-    tile += STREAM;
-    if (tile >= tiles) break;
-    tile_rows(tile);
-    if (cb < ce) load(ka, cb);
-#else
-    break;
-#endif
   }

@@ -293,9 +293,10 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
     assert (np.asarray(got).argmax(-1)[clear] == o.argmax(-1)[clear]).all()
 
 
-@pytest.mark.parametrize("name,batch,L,mma", [("qwen3-tiny", 1, 1, False), ("llama-tiny", 2, 1, False),
-                                              ("qwen2-tiny", 1, 1, False), ("qwen3-tiny", 2, 3, False),
-                                              ("llama-tiny", 1, 1, True), ("qwen2-tiny", 2, 3, True)])
+@pytest.mark.parametrize("name,batch,L,mma", [("qwen3-tiny", 1, 1, ""), ("llama-tiny", 2, 1, ""),
+                                              ("qwen2-tiny", 1, 1, ""), ("qwen3-tiny", 2, 3, ""),
+                                              ("llama-tiny", 1, 1, "all"), ("qwen2-tiny", 2, 3, "all"),
+                                              ("llama-tiny", 1, 1, "sliced"), ("llama-tiny", 2, 2, "sliced_stream")])
 def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     """One layer's launch (fb.core) against the decoder block it replaces, evaluated in float32
     (dequantised weights, float32 activations) on the same inputs over a KVCache holding the same
@@ -303,7 +304,9 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     (nothing else there moves), no further from float32 than the stock bf16 block (which adds up
     in bf16). Again with x unstaged (the path of rows too long for shared memory) and with
     attention blocks of another number of query heads (all G, or 1 where the default takes all):
-    bit for bit the default launch's. mma: every phase that gemv_mma.cu can take runs on it."""
+    bit for bit the default launch's. mma "all": every phase that gemv_mma.cu can take runs on it;
+    "sliced": so too, with shared memory for one chunk of x at a time (o_proj: K in 2 slices);
+    "sliced_stream": and an 8-block wave (o_proj's 16 tiles 2 to a block)."""
     from mlx_lm.models.cache import KVCache
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
@@ -311,6 +314,10 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its tiles
         monkeypatch.setattr(G, "MMA_MIN_TILES", 1)
+        if mma != "all":   # shared memory for one chunk of x beside a set of partials per tile
+            tpb = 2 if mma == "sliced_stream" else 1
+            monkeypatch.setattr(G, "RESIDENT_BLOCKS", 16 // tpb)
+            monkeypatch.setattr(G, "STAGE_MAX_BYTES", tpb * G._MMA_PARTIALS + 4 * 136 * batch * L)
         kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
     stock = model.model.layers[0]
@@ -331,9 +338,13 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
 
         launched = run()
         variants = []
-        if mma:   # gate/up ran on tensor cores (the variants below would turn it off: other bits)
-            gu = fb.gate_up
-            assert G.mma_takes(mx.bfloat16, batch * L, gu.in_features, gu.out_features, 4, 64, 2, False, True)
+        if mma:   # gate/up (sliced: o_proj) ran on tensor cores (the variants below would turn it off: other bits)
+            M, gu, o = batch * L, fb.gate_up, fb.o
+            if mma == "all":
+                assert G.mma_takes(mx.bfloat16, M, gu.in_features, gu.out_features, 4, 64, 2, False, True)
+            else:
+                assert G.mma_takes(mx.bfloat16, M, o.in_features, o.out_features, 4, 64, 1, False, True)
+                assert G.mma_plan(M, o.in_features, o.out_features, 1) == (4, tpb, 16 // tpb)
         else:
             with unstaged():
                 variants = [run()]

@@ -98,10 +98,11 @@ def x_stage_bytes(M, bits, vec, stage):
 
 
 # The one-launch layer's o_proj, gate/up and down phases run on tensor cores (cuda/gemv_mma.cu)
-# where the weights are 4-bit in groups of 64, K is a multiple of 256, the staged x fits, and the
-# phase has at least MMA_MIN_TILES tiles of 16 weight rows (each tile is one block of 4 warps
-# splitting K: fewer tiles leave SMs idle).
+# where the weights are 4-bit in groups of 64, K is a multiple of 256 and the phase has at least
+# MMA_MIN_TILES tiles of 16 weight rows (each tile is one block of 4 warps splitting K: fewer tiles
+# leave SMs idle).
 MMA_MIN_TILES = 1024
+_MMA_PARTIALS = 4 * 32 * 16   # bytes of a tile's partials (4 warps x 32 lanes x float4)
 
 
 def mma_tiles(N, epi):
@@ -109,21 +110,42 @@ def mma_tiles(N, epi):
     return -(-(N // 2 if epi == 2 else N) // (8 if epi == 2 else 16))
 
 
-def mma_stage_bytes(M, K):
-    """Dynamic shared memory of gemv_mma.cu: x in the mma's k order (2 bytes a value), each group
-    and row's two fp32 sums, and the 4 warps' partials."""
-    return (K // 64) * M * (128 + 8) + 4 * 32 * 16
+def mma_plan(M, K, N, epi):
+    """(KS, TPB, blocks) of a gemv_mma.cu phase: groups of 64 per K slice, sets of partials kept
+    in shared memory, blocks launched. All of K in one slice where M rows of staged x (136 bytes a
+    group and row) fit in STAGE_MAX_BYTES beside one set of partials, else even slices of whole
+    chunks of 4 groups beside a set for each of a block's tiles; None where not even one chunk fits."""
+    tiles = mma_tiles(N, epi)
+    blocks = stream_blocks(tiles)
+    ng = K // 64
+    if ng * M * 136 + _MMA_PARTIALS <= STAGE_MAX_BYTES:
+        return ng, 1, blocks
+    tpb = -(-tiles // blocks)
+    most = (STAGE_MAX_BYTES - tpb * _MMA_PARTIALS) // (M * 136) // 4 * 4
+    if most < 4:
+        return None
+    slices = -(-ng // most)
+    return -(-ng // (4 * slices)) * 4, tpb, blocks
+
+
+def mma_stage_bytes(M, plan):
+    """Dynamic shared memory of gemv_mma.cu: a slice of x in the mma's k order (2 bytes a value),
+    each of its groups and rows' two fp32 sums, and the warps' partials."""
+    ks, tpb, _ = plan
+    return ks * M * (128 + 8) + tpb * _MMA_PARTIALS
 
 
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu)."""
     return (dtype in HALF and bits == 4 and gs == 64 and epi in (1, 2) and not bias and K % 256 == 0
-            and room and mma_stage_bytes(M, K) <= STAGE_MAX_BYTES and mma_tiles(N, epi) >= MMA_MIN_TILES)
+            and room and mma_tiles(N, epi) >= MMA_MIN_TILES and mma_plan(M, K, N, epi) is not None)
 
 
-def mma_defines(dtype, M, epi, eps, stream):
-    """#defines of a gemv_mma.cu phase (4 warps a block; stream: STREAM, 0 for a tile per block)."""
-    d = dict(M=M, NW=4, EPI=epi, HAS_NORM=eps is not None, STREAM=stream, MMA_BF16=dtype == mx.bfloat16)
+def mma_defines(dtype, M, N, epi, eps, plan):
+    """#defines of a gemv_mma.cu phase (4 warps a block) of mma_plan's plan."""
+    ks, tpb, blocks = plan
+    d = dict(M=M, NW=4, EPI=epi, HAS_NORM=eps is not None, KS=ks, TPB=tpb, MMA_BF16=dtype == mx.bfloat16,
+             STREAM=blocks if blocks < mma_tiles(N, epi) else 0)
     if eps is not None:
         d["EPS"] = flt(eps)
     return d

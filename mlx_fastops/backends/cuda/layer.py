@@ -25,8 +25,8 @@ import mlx.core as mx
 
 from ...kernels import cached_builder, cuda_kernel, read_source
 from .attention import attn_defines, attn_partials
-from .gemv import (gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, mma_defines, mma_stage_bytes,
-                   mma_takes, mma_tiles, stream_blocks, x_stage, x_stage_bytes)
+from .gemv import (gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, mma_defines, mma_plan,
+                   mma_stage_bytes, mma_takes, stream_blocks, x_stage, x_stage_bytes)
 from .head import cache_inputs
 from .source import CTYPE, STANDALONE, kernel_name, source
 
@@ -96,14 +96,13 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room):
-            smem[0] = max(smem[0], mma_stage_bytes(M, K))
-            nb = mma_tiles(N, epi)
-            launched = stream_blocks(nb)
-            d = mma_defines(dtype, M, epi, eps, launched if launched < nb else 0)
+            plan = mma_plan(M, K, N, epi)
+            smem[0] = max(smem[0], mma_stage_bytes(M, plan))
+            d = mma_defines(dtype, M, N, epi, eps, plan)
             d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
             header.append(_phase(name, "gemv_mma.cu", d, dtype, gemv_inputs(eps is not None, False, res) + _WAITS,
                                  ["y"], shaped=("w",)))
-            sizes.append(launched)
+            sizes.append(plan[2])
             return
         vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
         stage = x_stage(M, K, dtype, bits, vec, room)
