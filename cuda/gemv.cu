@@ -84,27 +84,29 @@
   int wrow[RR];
   group_rows(vb, wrow);
 
-  uint32_t wv[RR][VEC];
-  float sv[RR], bv[RR];
-  auto load_w = [&](int k0) {
+  // One k-step's weights, scales and biases of the warp's rows. Two of them in turn (ping-pong):
+  // the next step loads into one while the other is used, without copying registers.
+  struct WStep { uint32_t w[RR][VEC]; float s[RR], b[RR]; };
+  WStep wa, wb;
+  auto load_w = [&](WStep& d, int k0) {
     const int g = k0 / GS;
 #pragma unroll
     for (int r = 0; r < RR; ++r) {
-      const uint32_t* p = w + (size_t)wrow[r] * KW + (k0 * BITS) / 32;
+      const uint32_t* p = w + (uint32_t)(wrow[r] * KW + (k0 * BITS) / 32);   // 32-bit offsets: the row terms stay in registers
       if constexpr (VEC == 4) {
         const uint4 t = __ldg(reinterpret_cast<const uint4*>(p));
-        wv[r][0] = t.x; wv[r][1] = t.y; wv[r][2] = t.z; wv[r][3] = t.w;
+        d.w[r][0] = t.x; d.w[r][1] = t.y; d.w[r][2] = t.z; d.w[r][3] = t.w;
       } else if constexpr (VEC == 2) {
         const uint2 t = __ldg(reinterpret_cast<const uint2*>(p));
-        wv[r][0] = t.x; wv[r][1] = t.y;
+        d.w[r][0] = t.x; d.w[r][1] = t.y;
       } else {
-        wv[r][0] = __ldg(p);
+        d.w[r][0] = __ldg(p);
       }
-      sv[r] = static_cast<float>(sc[(size_t)wrow[r] * NG + g]);
-      bv[r] = static_cast<float>(bi[(size_t)wrow[r] * NG + g]);
+      d.s[r] = static_cast<float>(sc[(uint32_t)(wrow[r] * NG + g)]);
+      d.b[r] = static_cast<float>(bi[(uint32_t)(wrow[r] * NG + g)]);
     }
   };
-  if (lane * EPW < K) load_w(lane * EPW);
+  if (lane * EPW < K) load_w(wa, lane * EPW);
 #if defined(WAIT_INPUTS) || STREAM
   // Rows (weights, scales, biases) sent on to L2 ahead of their loads.
   auto prefetch_rows = [&](const int* rows) {
@@ -243,19 +245,7 @@
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
-    for (int ks = 0; ks < K; ks += KSTEP) {
-      const int k0 = ks + lane * EPW;
-      if (k0 >= K) break;   // only in the last, partial step; no collectives inside the loop
-      uint32_t cw[RR][VEC];
-      float cs[RR], cb[RR];
-#pragma unroll
-      for (int r = 0; r < RR; ++r) {
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) cw[r][v] = wv[r][v];
-        cs[r] = sv[r];
-        cb[r] = bv[r];
-      }
-      if (k0 + KSTEP < K) load_w(k0 + KSTEP);   // next step in flight
+    auto step = [&](const WStep& cur, int k0) {
 
       // One word (WE k) of every weight row at a time, with x of those k only: the registers of x
       // are M * WE, not M * EPW, whatever VEC. Per row and activation the products are added in k
@@ -334,7 +324,7 @@
         // dot products: nibbles/bytes to fp32 by byte permutes into an exponent (see the top)
 #pragma unroll
         for (int r = 0; r < RR; ++r) {
-          const uint32_t wd = cw[r][v];
+          const uint32_t wd = cur.w[r][v];
           if constexpr (BITS == 4) {
             const uint32_t lo = (wd << 3) & 0x78787878u;   // even elements, at bits 3-6 of each byte
             const uint32_t hi = (wd >> 1) & 0x78787878u;   // odd elements
@@ -363,8 +353,18 @@
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           const float dq = (BITS == 4) ? fmaf(32.f, d[r][m], -16.f * sx[m]) : d[r][m];
-          acc[r][m] += cs[r] * dq + cb[r] * sx[m];
+          acc[r][m] += cur.s[r] * dq + cur.b[r] * sx[m];
         }
+    };
+    for (int ks = 0; ks < K; ks += 2 * KSTEP) {   // two steps a turn, one per buffer
+      int k0 = ks + lane * EPW;
+      if (k0 >= K) break;   // only in the last, partial step; no collectives inside the loop
+      if (k0 + KSTEP < K) load_w(wb, k0 + KSTEP);   // next step in flight
+      step(wa, k0);
+      k0 += KSTEP;
+      if (k0 >= K) break;
+      if (k0 + KSTEP < K) load_w(wa, k0 + KSTEP);
+      step(wb, k0);
     }
 
     // ---- warp reduction; lane r*M + m stores (row r, activation m) ----
@@ -411,7 +411,7 @@
     vb += STREAM;
     if (vb >= (NOUT + NW * R - 1) / (NW * R)) break;
     group_rows(vb, wrow);
-    if (lane * EPW < K) load_w(lane * EPW);
+    if (lane * EPW < K) load_w(wa, lane * EPW);
 #else
     break;
 #endif
