@@ -312,8 +312,8 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its tiles
-        monkeypatch.setattr(G, "MMA_MIN_TILES", 1)
+    if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its rows
+        monkeypatch.setattr(G, "MMA_RESIDUAL_MIN_ROWS", 1)
         if mma != "all":   # shared memory for one chunk of x beside a set of partials per tile
             tpb = 2 if mma == "sliced_stream" else 1
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 16 // tpb)
@@ -450,21 +450,18 @@ def test_attention_splits_within_one_wave(name, heads, one_row):
 
 @pytest.mark.parametrize("variant,name,batch,L", [
     ("one_wave", "qwen3-tiny", 1, 1), ("one_wave", "llama-tiny", 2, 1), ("stream", "qwen3-tiny", 1, 1),
-    ("stream", "llama-tiny", 2, 1), ("stream_mma", "llama-tiny", 1, 1), ("stream_mma", "llama-tiny", 2, 3)])
+    ("stream", "qwen3-tiny", 2, 1), ("stream_mma", "llama-tiny", 1, 1), ("stream_mma", "llama-tiny", 2, 3)])
 def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
     """The launch's blocking rules, forced onto a tiny model by a smaller wave, keep the layer's
     outputs and cache rows bit for bit. one_wave (a one-block wave, any K): every GEMV phase takes
     its most rows per warp (QKV 4, so its blocks tile a head in 4 instead of 16). stream (a
     three-block wave): the o_proj, gate/up and down phases run their row groups 3 blocks at a time,
-    in uneven shares, against one group per block. stream_mma: the same over gemv_mma.cu's tiles
-    (gate/up's 56 tiles 3 blocks at a time)."""
+    in uneven shares, against one group per block (gemv.cu: Qwen3-tiny's K = 192 is not gemv_mma.cu's).
+    stream_mma: the same over gemv_mma.cu's tiles (gate/up's 56 tiles 3 blocks at a time)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    if variant == "stream_mma":
-        monkeypatch.setattr(G, "MMA_MIN_TILES", 1)
-        kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
     mlx_fastops.patch(model, disable=("compile",))
     try:
@@ -491,8 +488,8 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 3)
             kernels.clear_builders()
             N = fb.gate_up.out_features
+            assert G.mma_takes(mx.bfloat16, M, K, N, 4, 64, 2, False, True) == (variant == "stream_mma")
             if variant == "stream_mma":
-                assert G.mma_takes(mx.bfloat16, M, K, N, 4, 64, 2, False, True)
                 nb = G.mma_tiles(N, 2)
             else:
                 nb = G.gemv_blocks(N, 2, G.gemv_config(M, K, N, 4, 2, True)[1], 4)

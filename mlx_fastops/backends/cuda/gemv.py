@@ -97,11 +97,12 @@ def x_stage_bytes(M, bits, vec, stage):
     return M * ((2 if xt else 4) * xk + 4 * (xk // lane_elems(bits, vec)))
 
 
-# The one-launch layer's o_proj, gate/up and down phases run on tensor cores (cuda/gemv_mma.cu)
-# where the weights are 4-bit in groups of 64, K is a multiple of 256 and the phase has at least
-# MMA_MIN_TILES tiles of 16 weight rows (each tile is one block of 4 warps splitting K: fewer tiles
-# leave SMs idle).
-MMA_MIN_TILES = 1024
+# The one-launch layer's gate/up phase runs on tensor cores (cuda/gemv_mma.cu) at any rows, its
+# o_proj and down phases from MMA_RESIDUAL_MIN_ROWS rows, where the weights are 4-bit in groups of 64
+# and K is a multiple of 256. Phase tables (H200, docs/cuda-design.md): gate/up gains at every row
+# count; o_proj and down have few tiles of 16 rows (one block each: Qwen3-0.6B 64, Llama-3.2-1B 128),
+# too few blocks at 1-2 rows, and gain from 4 rows on, where gemv.cu's FMAs grow with the rows.
+MMA_RESIDUAL_MIN_ROWS = 4
 _MMA_PARTIALS = 4 * 32 * 16   # bytes of a tile's partials (4 warps x 32 lanes x float4)
 
 
@@ -138,7 +139,7 @@ def mma_stage_bytes(M, plan):
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu)."""
     return (dtype in HALF and bits == 4 and gs == 64 and epi in (1, 2) and not bias and K % 256 == 0
-            and room and mma_tiles(N, epi) >= MMA_MIN_TILES and mma_plan(M, K, N, epi) is not None)
+            and room and (epi == 2 or M >= MMA_RESIDUAL_MIN_ROWS) and mma_plan(M, K, N, epi) is not None)
 
 
 def mma_defines(dtype, M, N, epi, eps, plan):
