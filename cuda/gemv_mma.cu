@@ -9,8 +9,8 @@
 // so the work per weight does not grow with the rows (gemv.cu's FMA path: one FFMA per weight and
 // row), and the instructions per weight at one row are about half of gemv.cu's.
 //
-// A tile is 16 weight rows (EPI 2: 8 gate rows and the 8 matching up rows); lane l holds rows l/4
-// and l/4 + 8. A lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a
+// A tile is 16 weight rows (EPI 2: 8 gate rows and the 8 matching up rows; TILE8, EPI 1: 8 rows, the
+// mma's rows 8-15 idle, for twice the tiles of a short phase); lane l holds rows l/4 and l/4 + 8. A lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a
 // row read the group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles
 // i, i + 4 of a word, even k-slots) or E + 8q (nibbles i + 1, i + 5 after a 1-bit shift, odd
 // k-slots) under the exponent of E (128 bf16, 1024 f16: exact). The order of k inside an mma is
@@ -33,7 +33,7 @@
 //
 // Epilogues (EPI): 1 residual y[m, n] = T(res[m, n] + T(acc)); 2 swiglu y[m, j] =
 // T(T(silu(T(acc_gate))) * T(acc_up)), gate row j, up row j + N/2 (gemv.cu's rounding points).
-// Defines: T (bf16 / f16), MMA_BF16, M (<= 8), NW, EPI, HAS_NORM (+ EPS), KS, STREAM, TPB (tiles a
+// Defines: T (bf16 / f16), MMA_BF16, M (<= 8), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM, TPB (tiles a
 // block runs at most), BLOCK_X, [WAIT_INPUTS].
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]].
 // Output: y [M, N] (EPI 2: [M, N/2]). Dynamic shared memory: gemv.py's mma_stage_bytes.
@@ -45,7 +45,7 @@
   constexpr uint32_t MAGIC = 0x64006400u;
   constexpr float E = 1024.f;
 #endif
-  constexpr int TR = EPI == 2 ? 8 : 16;        // output rows per tile
+  constexpr int TR = EPI == 2 || TILE8 ? 8 : 16;   // output rows per tile
   constexpr int SC = KS / 4, CPW = (SC + NW - 1) / NW;   // chunks of a slice; of a warp in a slice
   const int N = w_shape[0], KW = w_shape[1], K = KW * 8, NG = K / 64, NC = NG / 4, NS = (NG + KS - 1) / KS;
   const int NOUT = EPI == 2 ? N / 2 : N;
@@ -61,7 +61,7 @@
   int cb, ce;   // this warp's chunks of the slice
   auto item = [&](int tl, int sl) {   // tile tl, slice sl
     if (EPI == 2) { r0 = min(tl * 8 + g8, NOUT - 1); r1 = r0 + NOUT; }
-    else { r0 = min(tl * 16 + g8, N - 1); r1 = min(tl * 16 + g8 + 8, N - 1); }
+    else { r0 = min(tl * TR + g8, N - 1); r1 = min(tl * TR + g8 + 8, N - 1); }   // TILE8: r1 unused
     cb = sl * SC + warp * CPW;
     ce = min(min(NC, (sl + 1) * SC), cb + CPW);
   };
@@ -70,20 +70,23 @@
     const uint2* w0 = reinterpret_cast<const uint2*>(w + (size_t)r0 * KW) + t;
     const uint2* w1 = reinterpret_cast<const uint2*>(w + (size_t)r1 * KW) + t;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) { k.a[u] = __ldg(w0 + (4 * c + u) * 4); k.b[u] = __ldg(w1 + (4 * c + u) * 4); }
+    for (int u = 0; u < 4; ++u) k.a[u] = __ldg(w0 + (4 * c + u) * 4);
     k.s[0] = __ldg(reinterpret_cast<const uint2*>(sc + (size_t)r0 * NG) + c);
     k.s[1] = __ldg(reinterpret_cast<const uint2*>(bi + (size_t)r0 * NG) + c);
+    if (TILE8) return;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) k.b[u] = __ldg(w1 + (4 * c + u) * 4);
     k.s[2] = __ldg(reinterpret_cast<const uint2*>(sc + (size_t)r1 * NG) + c);
     k.s[3] = __ldg(reinterpret_cast<const uint2*>(bi + (size_t)r1 * NG) + c);
   };
   auto prefetch_item = [&]() {   // this warp's chunks of rows r0, r1 (one 128-byte line per chunk)
     for (int c = cb + t; c < ce; c += 4) {
       prefetch_l2(w + (size_t)r0 * KW + 32 * c);
-      prefetch_l2(w + (size_t)r1 * KW + 32 * c);
+      if (!TILE8) prefetch_l2(w + (size_t)r1 * KW + 32 * c);
     }
     if (t == 0 && cb < ce) {
       prefetch_l2(sc + (size_t)r0 * NG + 4 * cb); prefetch_l2(bi + (size_t)r0 * NG + 4 * cb);
-      prefetch_l2(sc + (size_t)r1 * NG + 4 * cb); prefetch_l2(bi + (size_t)r1 * NG + 4 * cb);
+      if (!TILE8) { prefetch_l2(sc + (size_t)r1 * NG + 4 * cb); prefetch_l2(bi + (size_t)r1 * NG + 4 * cb); }
     }
   };
   Chunk ka, kb;   // ping-pong: the next chunk loads while this one is used
@@ -211,7 +214,7 @@
           for (int h = 0; h < 2; ++h) {
             uint4 xf = make_uint4(0u, 0u, 0u, 0u);
             if (g8 < M) xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
-            const uint32_t wa = h ? k.a[u].y : k.a[u].x, wb = h ? k.b[u].y : k.b[u].x;
+            const uint32_t wa = h ? k.a[u].y : k.a[u].x, wb = TILE8 ? 0u : (h ? k.b[u].y : k.b[u].x);
 #pragma unroll
             for (int p = 0; p < 2; ++p) {
               const uint32_t a[4] = {lop(wa >> (8 * p), 0x000F000Fu), lop(wb >> (8 * p), 0x000F000Fu),
@@ -220,16 +223,15 @@
             }
           }
           const uint32_t s0 = (u < 2) ? k.s[0].x : k.s[0].y, b0 = (u < 2) ? k.s[1].x : k.s[1].y;
-          const uint32_t s1 = (u < 2) ? k.s[2].x : k.s[2].y, b1 = (u < 2) ? k.s[3].x : k.s[3].y;
-          const float sv0 = tval(s0, u & 1), bv0 = tval(b0, u & 1), sv1 = tval(s1, u & 1), bv1 = tval(b1, u & 1);
-          const float2 e0 = s_ss[gl * M + m0];
+          const float sv0 = tval(s0, u & 1), bv0 = tval(b0, u & 1);
+          const float2 e0 = s_ss[gl * M + m0], e1 = s_ss[gl * M + m1];
           acc[0] += sv0 * (d[0] - e0.x) + bv0 * e0.y;
+          if (M > 1) acc[1] += sv0 * (d[1] - e1.x) + bv0 * e1.y;
+          if (TILE8) continue;   // the mma's rows 8-15 held no weights
+          const uint32_t s1 = (u < 2) ? k.s[2].x : k.s[2].y, b1 = (u < 2) ? k.s[3].x : k.s[3].y;
+          const float sv1 = tval(s1, u & 1), bv1 = tval(b1, u & 1);
           acc[2] += sv1 * (d[2] - e0.x) + bv1 * e0.y;
-          if (M > 1) {
-            const float2 e1 = s_ss[gl * M + m1];
-            acc[1] += sv0 * (d[1] - e1.x) + bv0 * e1.y;
-            acc[3] += sv1 * (d[3] - e1.x) + bv1 * e1.y;
-          }
+          if (M > 1) acc[3] += sv1 * (d[3] - e1.x) + bv1 * e1.y;
         }
       };
       for (int c = cb; c < ce; c += 2) {
@@ -264,8 +266,8 @@
         if (m >= M) continue;
 #if EPI == 1
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int n = tile * 16 + g8 + 8 * h;
+        for (int h = 0; h < (TILE8 ? 1 : 2); ++h) {
+          const int n = tile * TR + g8 + 8 * h;
           if (n >= N) continue;
           const T y0 = static_cast<T>(v[2 * h + e]);
           y[(size_t)m * N + n] = static_cast<T>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(y0));

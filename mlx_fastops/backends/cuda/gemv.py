@@ -106,9 +106,15 @@ MMA_RESIDUAL_MIN_ROWS = 4
 _MMA_PARTIALS = 4 * 32 * 16   # bytes of a tile's partials (4 warps x 32 lanes x float4)
 
 
+def mma_tile8(N, epi):
+    """Whether an EPI 1 phase of gemv_mma.cu takes tiles of 8 rows (TILE8): where tiles of 16 would
+    leave block slots of the wave idle (Qwen3-4B o_proj / down 160 -> 320 blocks)."""
+    return epi == 1 and -(-N // 16) < RESIDENT_BLOCKS
+
+
 def mma_tiles(N, epi):
-    """Tiles of 16 weight rows of gemv_mma.cu (EPI 2: 8 gate rows and their 8 up rows)."""
-    return -(-(N // 2 if epi == 2 else N) // (8 if epi == 2 else 16))
+    """Tiles of gemv_mma.cu: 16 weight rows (EPI 2: 8 gate rows and their 8 up rows; TILE8: 8)."""
+    return -(-(N // 2 if epi == 2 else N) // (8 if epi == 2 or mma_tile8(N, epi) else 16))
 
 
 def mma_plan(M, K, N, epi):
@@ -145,8 +151,8 @@ def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):
 def mma_defines(dtype, M, N, epi, eps, plan):
     """#defines of a gemv_mma.cu phase (4 warps a block) of mma_plan's plan."""
     ks, tpb, blocks = plan
-    d = dict(M=M, NW=4, EPI=epi, HAS_NORM=eps is not None, KS=ks, TPB=tpb, MMA_BF16=dtype == mx.bfloat16,
-             STREAM=blocks if blocks < mma_tiles(N, epi) else 0)
+    d = dict(M=M, NW=4, EPI=epi, TILE8=mma_tile8(N, epi), HAS_NORM=eps is not None, KS=ks, TPB=tpb,
+             MMA_BF16=dtype == mx.bfloat16, STREAM=blocks if blocks < mma_tiles(N, epi) else 0)
     if eps is not None:
         d["EPS"] = flt(eps)
     return d
