@@ -47,8 +47,8 @@ def packed(N, K, bits, gs, dtype, splits=None, bias=False):
 
 @contextlib.contextmanager
 def unstaged():
-    """Every GEMV converts x per warp at each k-step (gemv.cu without XK), as for rows too long
-    to stage in shared memory."""
+    """Every gemv.cu GEMV converts x per warp at each k-step (without XK), as for rows too long
+    to stage in shared memory (gemv_mma.cu's phases, which always stage theirs, stay as they are)."""
     old = G.STAGE_MAX_FLOATS, G.STAGE_MAX_BYTES
     G.STAGE_MAX_FLOATS = G.STAGE_MAX_BYTES = 0
     kernels.clear_builders()
@@ -317,7 +317,7 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
         if mma != "all":   # shared memory for one chunk of x beside a set of partials per tile
             tpb = 2 if mma == "sliced_stream" else 1
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 16 // tpb)
-            monkeypatch.setattr(G, "STAGE_MAX_BYTES", tpb * G._MMA_PARTIALS + 4 * 136 * batch * L)
+            monkeypatch.setattr(G, "MMA_STAGE_MAX_BYTES", tpb * G._MMA_PARTIALS + 4 * 136 * batch * L)
         kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
     stock = model.model.layers[0]

@@ -104,6 +104,9 @@ def x_stage_bytes(M, bits, vec, stage):
 # too few blocks at 1-2 rows, and gain from 4 rows on, where gemv.cu's FMAs grow with the rows.
 MMA_RESIDUAL_MIN_ROWS = 4
 _MMA_PARTIALS = 4 * 32 * 16   # bytes of a tile's partials (4 warps x 32 lanes x float4)
+# gemv_mma.cu always stages its x (in K slices where all of it does not fit), within its own bound:
+# the 32 KB of gemv.cu's STAGE_MAX_BYTES.
+MMA_STAGE_MAX_BYTES = 32 * 1024
 
 
 def mma_tile8(N, epi):
@@ -120,15 +123,15 @@ def mma_tiles(N, epi):
 def mma_plan(M, K, N, epi):
     """(KS, TPB, blocks) of a gemv_mma.cu phase: groups of 64 per K slice, sets of partials kept
     in shared memory, blocks launched. All of K in one slice where M rows of staged x (136 bytes a
-    group and row) fit in STAGE_MAX_BYTES beside one set of partials, else even slices of whole
+    group and row) fit in MMA_STAGE_MAX_BYTES beside one set of partials, else even slices of whole
     chunks of 4 groups beside a set for each of a block's tiles; None where not even one chunk fits."""
     tiles = mma_tiles(N, epi)
     blocks = stream_blocks(tiles)
     ng = K // 64
-    if ng * M * 136 + _MMA_PARTIALS <= STAGE_MAX_BYTES:
+    if ng * M * 136 + _MMA_PARTIALS <= MMA_STAGE_MAX_BYTES:
         return ng, 1, blocks
     tpb = -(-tiles // blocks)
-    most = (STAGE_MAX_BYTES - tpb * _MMA_PARTIALS) // (M * 136) // 4 * 4
+    most = (MMA_STAGE_MAX_BYTES - tpb * _MMA_PARTIALS) // (M * 136) // 4 * 4
     if most < 4:
         return None
     slices = -(-ng // most)
