@@ -1,5 +1,5 @@
 // Quantised GEMV on tensor cores for decode (1-8 activation rows): 4-bit weights in groups of 64,
-// MLX affine format, a phase of the one-launch layer (layer.py takes it for EPI 1-2 where it fits).
+// MLX affine format, a phase of the one-launch layer (EPI 1-2, where gemv.py's mma_takes says so).
 //
 //   w(n, k) = s[n, g] * q(n, k) + b[n, g],  g = k / 64
 //   acc[m, n] = sum_g ( s[n,g] * sum_{k in g} x[m,k] q(n,k)  +  b[n,g] * sum_{k in g} x[m,k] )
@@ -15,7 +15,8 @@
 // i, i + 4 of a word, even k-slots) or E + 8q (nibbles i + 1, i + 5 after a 1-bit shift, odd
 // k-slots) under the exponent of E (128 bf16, 1024 f16: exact). The order of k inside an mma is
 // free as long as A and B agree, so x is staged in shared memory in the same order (odd slots as
-// x / 8, exact), with each group and row's sig = E * sum_even x + E/8 * sum_odd x and sum x in fp32:
+// x / 8: exact but for f16 values below 2^-11, which round as subnormals), with each group and
+// row's sig = E * sum_even x + E/8 * sum_odd x and sum x in fp32:
 //   sum_{k in g} x q = D - sig,   acc += s * (D - sig) + b * sum x
 // The next chunk's weights, scales and biases load while the current one is used.
 //
@@ -33,8 +34,9 @@
 //
 // Epilogues (EPI): 1 residual y[m, n] = T(res[m, n] + T(acc)); 2 swiglu y[m, j] =
 // T(T(silu(T(acc_gate))) * T(acc_up)), gate row j, up row j + N/2 (gemv.cu's rounding points).
-// Defines: T (bf16 / f16), MMA_BF16, M (<= 8), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM, TPB (tiles a
-// block runs at most), BLOCK_X, [WAIT_INPUTS].
+// Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM,
+// TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS].
+// KS, TPB and STREAM are planned for one K and N (gemv.py's mma_plan; builds are keyed on shapes).
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]].
 // Output: y [M, N] (EPI 2: [M, N/2]). Dynamic shared memory: gemv.py's mma_stage_bytes.
 
@@ -45,6 +47,7 @@
   constexpr uint32_t MAGIC = 0x64006400u;
   constexpr float E = 1024.f;
 #endif
+  static_assert(M >= 1 && M <= 8, "gemv_mma.cu: the mma's n is 8 activation rows");
   constexpr int TR = EPI == 2 || TILE8 ? 8 : 16;   // output rows per tile
   constexpr int SC = KS / 4, CPW = (SC + NW - 1) / NW;   // chunks of a slice; of a warp in a slice
   const int N = w_shape[0], KW = w_shape[1], K = KW * 8, NG = K / 64, NC = NG / 4, NS = (NG + KS - 1) / KS;

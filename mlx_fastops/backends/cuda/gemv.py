@@ -103,7 +103,8 @@ def x_stage_bytes(M, bits, vec, stage):
 # count; o_proj and down have few tiles of 16 rows (one block each: Qwen3-0.6B 64, Llama-3.2-1B 128),
 # too few blocks at 1-2 rows, and gain from 4 rows on, where gemv.cu's FMAs grow with the rows.
 MMA_RESIDUAL_MIN_ROWS = 4
-_MMA_PARTIALS = 4 * 32 * 16   # bytes of a tile's partials (4 warps x 32 lanes x float4)
+_MMA_WARPS = 4   # a block's warps, splitting K
+_MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
 # gemv_mma.cu always stages its x (in K slices where all of it does not fit), within its own bound:
 # the 32 KB of gemv.cu's STAGE_MAX_BYTES.
 MMA_STAGE_MAX_BYTES = 32 * 1024
@@ -123,8 +124,9 @@ def mma_tiles(N, epi):
 def mma_plan(M, K, N, epi):
     """(KS, TPB, blocks) of a gemv_mma.cu phase: groups of 64 per K slice, sets of partials kept
     in shared memory, blocks launched. All of K in one slice where M rows of staged x (136 bytes a
-    group and row) fit in MMA_STAGE_MAX_BYTES beside one set of partials, else even slices of whole
-    chunks of 4 groups beside a set for each of a block's tiles; None where not even one chunk fits."""
+    group and row) fit in MMA_STAGE_MAX_BYTES beside one set of partials, else slices of whole
+    chunks of 4 groups (the last one shorter where they do not divide K) beside a set for each of a
+    block's tiles; None where not even one chunk fits."""
     tiles = mma_tiles(N, epi)
     blocks = stream_blocks(tiles)
     ng = K // 64
@@ -147,14 +149,14 @@ def mma_stage_bytes(M, plan):
 
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu)."""
-    return (dtype in HALF and bits == 4 and gs == 64 and epi in (1, 2) and not bias and K % 256 == 0
+    return (dtype in HALF and bits == 4 and gs == 64 and epi in (1, 2) and not bias and K % 256 == 0 and M <= 8
             and room and (epi == 2 or M >= MMA_RESIDUAL_MIN_ROWS) and mma_plan(M, K, N, epi) is not None)
 
 
 def mma_defines(dtype, M, N, epi, eps, plan):
-    """#defines of a gemv_mma.cu phase (4 warps a block) of mma_plan's plan."""
+    """#defines of a gemv_mma.cu phase of mma_plan's plan."""
     ks, tpb, blocks = plan
-    d = dict(M=M, NW=4, EPI=epi, TILE8=mma_tile8(N, epi), HAS_NORM=eps is not None, KS=ks, TPB=tpb,
+    d = dict(M=M, NW=_MMA_WARPS, EPI=epi, TILE8=mma_tile8(N, epi), HAS_NORM=eps is not None, KS=ks, TPB=tpb,
              MMA_BF16=dtype == mx.bfloat16, STREAM=blocks if blocks < mma_tiles(N, epi) else 0)
     if eps is not None:
         d["EPS"] = flt(eps)

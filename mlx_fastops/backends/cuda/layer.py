@@ -10,8 +10,8 @@
   from MMA_RESIDUAL_MIN_ROWS)
 
 A block of group g waits for every block of group g - 1 (cuda/layer.cuh) after it has started
-loading what does not depend on it (its weights; the attention's cached K/V rows): gemv.cu and
-attention.cu wait inside (WAIT_INPUTS). Several consecutive layers of one shape can share a launch
+loading what does not depend on it (its weights; the attention's cached K/V rows): gemv.cu,
+gemv_mma.cu and attention.cu wait inside (WAIT_INPUTS). Several consecutive layers of one shape can share a launch
 (5 groups per layer; step.launch_runs decides): each phase then has one call site whose blocks pick
 their layer's inputs at run time, so the code, and its float arithmetic, is the one-layer launch's
 for any number of layers (with one call site per layer NVRTC outlined some phases of long launches,
@@ -88,7 +88,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
     sizes = []   # blocks per phase
-    smem = [0]   # dynamic shared memory: the largest staged x of the phases
+    smem = [0]   # dynamic shared memory: the largest of the phases' (staged x; gemv_mma.cu's partials too)
     header = [read_source("cuda", "layer.cuh")]
 
     # The launch's static shared memory is the sum of its phases'; attention blocks of more than 256
