@@ -317,7 +317,8 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
         if mma != "all":   # shared memory for one chunk of x beside a set of partials per tile
             tpb = 2 if mma == "sliced_stream" else 1
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 16 // tpb)
-            monkeypatch.setattr(G, "MMA_STAGE_MAX_BYTES", tpb * G._MMA_PARTIALS + 4 * 136 * batch * L)
+            one_chunk = 4 * G._MMA_GROUP_ROW_BYTES * batch * L
+            monkeypatch.setattr(G, "MMA_STAGE_MAX_BYTES", tpb * G._MMA_PARTIALS + one_chunk)
         kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
     stock = model.model.layers[0]

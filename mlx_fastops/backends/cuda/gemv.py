@@ -105,6 +105,7 @@ def x_stage_bytes(M, bits, vec, stage):
 MMA_RESIDUAL_MIN_ROWS = 4
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
+_MMA_GROUP_ROW_BYTES = 128 + 8   # staged x of a group of 64 and a row: T values, then (sig, sum x) in fp32
 # gemv_mma.cu always stages its x (in K slices where all of it does not fit), within its own bound:
 # the 32 KB of gemv.cu's STAGE_MAX_BYTES.
 MMA_STAGE_MAX_BYTES = 32 * 1024
@@ -123,17 +124,17 @@ def mma_tiles(N, epi):
 
 def mma_plan(M, K, N, epi):
     """(KS, TPB, blocks) of a gemv_mma.cu phase: groups of 64 per K slice, sets of partials kept
-    in shared memory, blocks launched. All of K in one slice where M rows of staged x (136 bytes a
-    group and row) fit in MMA_STAGE_MAX_BYTES beside one set of partials, else slices of whole
-    chunks of 4 groups (the last one shorter where they do not divide K) beside a set for each of a
-    block's tiles; None where not even one chunk fits."""
+    in shared memory, blocks launched. All of K in one slice where M rows of staged x fit in
+    MMA_STAGE_MAX_BYTES beside one set of partials, else slices of whole chunks of 4 groups (the
+    last one shorter where they do not divide K) beside a set for each of a block's tiles; None
+    where not even one chunk fits."""
     tiles = mma_tiles(N, epi)
     blocks = stream_blocks(tiles)
     ng = K // 64
-    if ng * M * 136 + _MMA_PARTIALS <= MMA_STAGE_MAX_BYTES:
+    if ng * M * _MMA_GROUP_ROW_BYTES + _MMA_PARTIALS <= MMA_STAGE_MAX_BYTES:
         return ng, 1, blocks
     tpb = -(-tiles // blocks)
-    most = (MMA_STAGE_MAX_BYTES - tpb * _MMA_PARTIALS) // (M * 136) // 4 * 4
+    most = (MMA_STAGE_MAX_BYTES - tpb * _MMA_PARTIALS) // (M * _MMA_GROUP_ROW_BYTES) // 4 * 4
     if most < 4:
         return None
     slices = -(-ng // most)
@@ -144,7 +145,7 @@ def mma_stage_bytes(M, plan):
     """Dynamic shared memory of gemv_mma.cu: a slice of x in the mma's k order (2 bytes a value),
     each of its groups and rows' two fp32 sums, and the warps' partials."""
     ks, tpb, _ = plan
-    return ks * M * (128 + 8) + tpb * _MMA_PARTIALS
+    return ks * M * _MMA_GROUP_ROW_BYTES + tpb * _MMA_PARTIALS
 
 
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):

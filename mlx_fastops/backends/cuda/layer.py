@@ -11,11 +11,11 @@
 
 A block of group g waits for every block of group g - 1 (cuda/layer.cuh) after it has started
 loading what does not depend on it (its weights; the attention's cached K/V rows): gemv.cu,
-gemv_mma.cu and attention.cu wait inside (WAIT_INPUTS). Several consecutive layers of one shape can share a launch
-(5 groups per layer; step.launch_runs decides): each phase then has one call site whose blocks pick
-their layer's inputs at run time, so the code, and its float arithmetic, is the one-layer launch's
-for any number of layers (with one call site per layer NVRTC outlined some phases of long launches,
-and those copies rounded differently).
+gemv_mma.cu and attention.cu wait inside (WAIT_INPUTS). Several consecutive layers of one shape can
+share a launch (5 groups per layer; step.launch_runs decides): each phase then has one call site
+whose blocks pick their layer's inputs at run time, so the code, and its float arithmetic, is the
+one-layer launch's for any number of layers (with one call site per layer NVRTC outlined some phases
+of long launches, and those copies rounded differently).
 
 Each phase is its kernel file compiled as `__device__ void layer_<phase>(int blk, ...)` with its own
 defines (BLOCK_X... = the block's coordinates within its group). The per-layer dispatch (which
@@ -99,22 +99,21 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room):
             plan = mma_plan(M, K, N, epi)
-            smem[0] = max(smem[0], mma_stage_bytes(M, plan))
-            d = mma_defines(dtype, M, N, epi, eps, plan)
-            d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
-            header.append(_phase(name, "gemv_mma.cu", d, dtype, gemv_inputs(eps is not None, False, res) + _WAITS,
-                                 ["y"], shaped=("w",)))
-            sizes.append(plan[2])
-            return
-        vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
-        stage = x_stage(M, K, dtype, bits, vec, room)
-        smem[0] = max(smem[0], x_stage_bytes(M, bits, vec, stage))
-        nb = gemv_blocks(N, epi, R, nw)
-        launched = stream_blocks(nb) if epi != 3 else nb   # the QKV phase's blocks complete heads
-        d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, stage, launched if launched < nb else 0)
+            stage_bytes, launched = mma_stage_bytes(M, plan), plan[2]
+            src, d, strided = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan), ()
+        else:
+            vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
+            stage = x_stage(M, K, dtype, bits, vec, room)
+            stage_bytes = x_stage_bytes(M, bits, vec, stage)
+            nb = gemv_blocks(N, epi, R, nw)
+            launched = stream_blocks(nb) if epi != 3 else nb   # the QKV phase's blocks complete heads
+            d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, stage,
+                             launched if launched < nb else 0)
+            src, strided = "gemv.cu", cache_inputs(head)
+        smem[0] = max(smem[0], stage_bytes)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
-        header.append(_phase(name, "gemv.cu", d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
-                             gemv_outputs(epi), shaped=("w",), strided=cache_inputs(head)))
+        header.append(_phase(name, src, d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
+                             gemv_outputs(epi), shaped=("w",), strided=strided))
         sizes.append(launched)
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
