@@ -408,6 +408,24 @@ def test_layer_gemv_blocking_by_rows(M, configs):
     assert got == configs
 
 
+@pytest.mark.parametrize("name,M,on_mma", [
+    ("qwen3-0.6b", 1, (False, False, True, False)), ("qwen3-0.6b", 2, (False, True, True, True)),
+    ("qwen3-4b", 1, (False, True, True, True)), ("qwen3-8b", 1, (False, True, True, True)),
+    ("llama-3.2-1b", 1, (False, False, True, False)), ("llama-3.2-1b", 2, (False, True, True, True)),
+    ("qwen2.5-0.5b", 4, (False, False, False, True))])
+def test_layer_phases_on_tensor_cores(name, M, on_mma):
+    """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): gate/up
+    always; o_proj and down from 2 rows, at one row where their tiles fill more than half the
+    wave (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); only K a multiple of 256
+    (Qwen2.5-0.5B: its down alone, K 4864)."""
+    shapes = dict((n, s) for n, s, *_ in LAYERS)[name]
+    got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, True)
+                for (bits, gs, N, K), epi in zip(shapes, (3, 1, 2, 1)))
+    assert got == on_mma
+    assert not G.mma_takes(mx.bfloat16, M, *shapes[1][3:1:-1], 8, 64, 1, False, True)   # 8-bit: gemv.cu
+    assert not G.mma_takes(mx.bfloat16, M, *shapes[2][3:1:-1], 4, 32, 2, False, True)   # groups of 32
+
+
 @pytest.mark.parametrize("name,shapes,heads,blocks,staged", LAYERS)
 def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     """How the one-launch layer is cut on the H200 (as measured: docs/cuda-design.md): Qwen3-4B's

@@ -98,11 +98,13 @@ def x_stage_bytes(M, bits, vec, stage):
 
 
 # The one-launch layer's gate/up phase runs on tensor cores (cuda/gemv_mma.cu) at any rows, its
-# o_proj and down phases from MMA_RESIDUAL_MIN_ROWS rows, where the weights are 4-bit in groups of 64
-# and K is a multiple of 256. Phase tables (H200, docs/cuda-design.md): gate/up gains at every row
-# count; o_proj and down have few tiles of 16 rows (one block each: Qwen3-0.6B 64, Llama-3.2-1B 128),
-# too few blocks at 1-2 rows, and gain from 4 rows on, where gemv.cu's FMAs grow with the rows.
-MMA_RESIDUAL_MIN_ROWS = 4
+# o_proj and down phases from MMA_RESIDUAL_MIN_ROWS rows and at one row where their tiles (of 8 rows:
+# TILE8) fill more than half of the wave's block slots; the weights 4-bit in groups of 64, K a
+# multiple of 256. Phase tables (H200, docs/cuda-design.md): gate/up gains at every row count;
+# o_proj and down gain from 2 rows on every benchmark model, at one row on Qwen3-4B / 8B (320 / 512
+# tiles: 53.9 -> 51.6 / 69.8 -> 68.1 us a layer) and not on Llama-3.2-1B (down, 256 tiles: 8.6 ->
+# 9.7 us) or Qwen3-0.6B (128 tiles: even).
+MMA_RESIDUAL_MIN_ROWS = 2
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
 _MMA_GROUP_ROW_BYTES = 128 + 8   # staged x of a group of 64 and a row: T values, then (sig, sum x) in fp32
@@ -151,7 +153,8 @@ def mma_stage_bytes(M, plan):
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu)."""
     return (dtype in HALF and bits == 4 and gs == 64 and epi in (1, 2) and not bias and K % 256 == 0 and M <= 8
-            and room and (epi == 2 or M >= MMA_RESIDUAL_MIN_ROWS) and mma_plan(M, K, N, epi) is not None)
+            and room and (epi == 2 or M >= MMA_RESIDUAL_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
+            and mma_plan(M, K, N, epi) is not None)
 
 
 def mma_defines(dtype, M, N, epi, eps, plan):
