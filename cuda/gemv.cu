@@ -420,20 +420,9 @@
 #if EPI == 3
   static_assert(!STREAM, "a head's blocks are its row groups");
   // ---- head epilogue, by the block that completes the head ----
-  constexpr int PARTS = D / (NW * R);            // blocks per head
-  const int hb = (BLOCK_X * NW * R) / D;         // head index over q, k, v heads
-  __shared__ int s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* c = const_cast<int*>(cnt) + hb;
-    const int ticket = atomicAdd(c, 1);
-    s_last = ticket == PARTS - 1;
-    if (s_last) *c = 0;   // reset for the next launch (launches are stream-ordered)
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  const int hb = (BLOCK_X * NW * R) / D;          // head index over q, k, v heads
+  const int ticket = hb, arrivals = D / (NW * R);   // a head's blocks
+#include "last_block.cuh"
 
   const int row0 = 0, MV = M;
   auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)m * N + hb * D + d); };

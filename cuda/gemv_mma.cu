@@ -1,5 +1,5 @@
 // Quantised GEMV on tensor cores for decode (1-8 activation rows): 4-bit weights in groups of 64,
-// MLX affine format, a phase of the one-launch layer (EPI 1-2, where gemv.py's mma_takes says so).
+// MLX affine format, a phase of the one-launch layer (EPI 1-3, where gemv.py's mma_takes says so).
 //
 //   w(n, k) = s[n, g] * q(n, k) + b[n, g],  g = k / 64
 //   acc[m, n] = sum_g ( s[n,g] * sum_{k in g} x[m,k] q(n,k)  +  b[n,g] * sum_{k in g} x[m,k] )
@@ -33,12 +33,16 @@
 // the earlier phases.
 //
 // Epilogues (EPI): 1 residual y[m, n] = T(res[m, n] + T(acc)); 2 swiglu y[m, j] =
-// T(T(silu(T(acc_gate))) * T(acc_up)), gate row j, up row j + N/2 (gemv.cu's rounding points).
+// T(T(silu(T(acc_gate))) * T(acc_up)), gate row j, up row j + N/2 (gemv.cu's rounding points);
+// 3 head (QKV): ys[m, n] = float(T(acc)), then the block that completes a head (D / 16 tiles, a block
+// each: STREAM 0) runs head.cuh's epilogue, as gemv.cu's EPI 3 does.
 // Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM,
-// TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS].
+// TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS];
+// EPI 3: head.cuh's (L, H, HKV, D, ...).
 // KS, TPB and STREAM are planned for one K and N (gemv.py's mma_plan; builds are keyed on shapes).
-// Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]].
-// Output: y [M, N] (EPI 2: [M, N/2]). Dynamic shared memory: gemv.py's mma_stage_bytes.
+// Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]];
+// EPI 3: head.cuh's inputs, then cnt (a ticket per head). Output: y [M, N] (EPI 2: [M, N/2]); EPI 3:
+// yq (head.cuh) and ys [M, N] float32 (scratch). Dynamic shared memory: gemv.py's mma_stage_bytes.
 
 #if MMA_BF16
   constexpr uint32_t MAGIC = 0x43004300u;
@@ -267,15 +271,7 @@
       for (int e = 0; e < 2; ++e) {   // e: activation row 2t + e
         const int m = 2 * t + e;
         if (m >= M) continue;
-#if EPI == 1
-#pragma unroll
-        for (int h = 0; h < (TILE8 ? 1 : 2); ++h) {
-          const int n = tile * TR + g8 + 8 * h;
-          if (n >= N) continue;
-          const T y0 = static_cast<T>(v[2 * h + e]);
-          y[(size_t)m * N + n] = static_cast<T>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(y0));
-        }
-#else
+#if EPI == 2
         const int n = tile * 8 + g8;
         if (n >= NOUT) continue;
         const float gt = static_cast<float>(static_cast<T>(v[e]));
@@ -283,7 +279,31 @@
         const float sg = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gt))));
         const float a = static_cast<float>(static_cast<T>(gt * sg));
         y[(size_t)m * NOUT + n] = static_cast<T>(a * ut);
+#else
+#pragma unroll
+        for (int h = 0; h < (TILE8 ? 1 : 2); ++h) {
+          const int n = tile * TR + g8 + 8 * h;
+          if (n >= N) continue;
+          const T y0 = static_cast<T>(v[2 * h + e]);
+#if EPI == 1
+          y[(size_t)m * N + n] = static_cast<T>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(y0));
+#else
+          ys[(size_t)m * N + n] = static_cast<float>(y0);
+#endif
+        }
 #endif
       }
     }
   }
+
+#if EPI == 3
+  static_assert(!STREAM && !TILE8, "gemv_mma.cu: a head's blocks are its tiles of 16 rows");
+  // ---- head epilogue, by the block that completes the head ----
+  const int hb = BLOCK_X * 16 / D;               // head index over q, k, v heads
+  const int ticket = hb, arrivals = D / 16;      // a head's blocks
+#include "last_block.cuh"
+
+  const int row0 = 0, MV = M;
+  auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)m * N + hb * D + d); };
+#include "head.cuh"
+#endif

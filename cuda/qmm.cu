@@ -252,17 +252,7 @@
   // these tokens' rows: every weight block
   const int ticket = blockIdx.x, arrivals = gridDim.y;
 #endif
-  __shared__ int s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* t = const_cast<int*>(cnt) + ticket;
-    s_last = atomicAdd(t, 1) == arrivals - 1;
-    if (s_last) *t = 0;   // reset for the next launch (launches are stream-ordered)
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+#include "last_block.cuh"
 #endif
 #ifdef NORM_EPS
   // ---- the rows RMS-normalised: a warp a row; each lane's 16-byte words of it in chunks of CH,

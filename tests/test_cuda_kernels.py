@@ -343,6 +343,9 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
             M, gu, o = batch * L, fb.gate_up, fb.o
             if mma == "all":
                 assert G.mma_takes(mx.bfloat16, M, gu.in_features, gu.out_features, 4, 64, 2, False, True)
+                qkv = fb.qkv   # with its head epilogue where there is no bias (llama-tiny; not qwen2-tiny)
+                assert G.mma_takes(mx.bfloat16, M, qkv.in_features, qkv.out_features, 4, 64, 3,
+                                   qkv.bias is not None, True, fb.D) == (name == "llama-tiny")
             else:
                 assert G.mma_takes(mx.bfloat16, M, o.in_features, o.out_features, 4, 64, 1, False, True)
                 assert G.mma_plan(M, o.in_features, o.out_features, 1) == (4, tpb, 16 // tpb)
@@ -353,7 +356,8 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
             fb.gb, gb = (G_ if G_ != fb.gb else 1), fb.gb   # attention blocks of another head count
             variants.append(run())
             fb.gb = gb
-        assert not np.asarray(fb.layer_counters(1)).any(), "counters not reset"
+        for name_, c in (("group", fb.layer_counters(1)), ("head", fb.head_tickets), ("attention", fb.attn_tickets)):
+            assert not np.asarray(c).any(), f"{name_} tickets not reset"
     finally:
         mlx_fastops.unpatch(model)
         kernels.clear_builders()   # no kernel built with the forced tiles outlives the test
@@ -409,19 +413,23 @@ def test_layer_gemv_blocking_by_rows(M, configs):
 
 
 @pytest.mark.parametrize("name,M,on_mma", [
-    ("qwen3-0.6b", 1, (False, False, True, False)), ("qwen3-0.6b", 2, (False, True, True, True)),
-    ("qwen3-4b", 1, (False, True, True, True)), ("qwen3-8b", 1, (False, True, True, True)),
-    ("llama-3.2-1b", 1, (False, False, True, False)), ("llama-3.2-1b", 2, (False, True, True, True)),
+    ("qwen3-0.6b", 1, (True, False, True, False)), ("qwen3-0.6b", 2, (True, True, True, True)),
+    ("qwen3-4b", 1, (True, True, True, True)), ("qwen3-8b", 1, (True, True, True, True)),
+    ("llama-3.2-1b", 1, (True, False, True, False)), ("llama-3.2-1b", 2, (True, True, True, True)),
     ("qwen2.5-0.5b", 4, (False, False, False, True))])
 def test_layer_phases_on_tensor_cores(name, M, on_mma):
-    """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): gate/up
-    always; o_proj and down from 2 rows, at one row where their tiles fill more than half the
-    wave (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); only K a multiple of 256
-    (Qwen2.5-0.5B: its down alone, K 4864)."""
-    shapes = dict((n, s) for n, s, *_ in LAYERS)[name]
-    got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, True)
+    """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): QKV and
+    gate/up always; o_proj and down from 2 rows, at one row where their tiles fill more than half
+    the wave (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); only K a multiple of 256
+    (Qwen2.5-0.5B: its down alone, K 4864); QKV only where a head is whole tiles of 16 rows, each
+    with a block (no streaming)."""
+    shapes, (H, HKV, D) = {n: (s, h) for n, s, h, *_ in LAYERS}[name]
+    got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, True, D)
                 for (bits, gs, N, K), epi in zip(shapes, (3, 1, 2, 1)))
     assert got == on_mma
+    qkv = shapes[0]
+    assert not G.mma_takes(mx.bfloat16, M, qkv[3], qkv[2], 4, 64, 3, False, True, 72)   # heads of 72: not whole tiles
+    assert not G.mma_takes(mx.bfloat16, M, qkv[3], 16 * (G.RESIDENT_BLOCKS + 1), 4, 64, 3, False, True, D)
     assert not G.mma_takes(mx.bfloat16, M, *shapes[1][3:1:-1], 8, 64, 1, False, True)   # 8-bit: gemv.cu
     assert not G.mma_takes(mx.bfloat16, M, *shapes[2][3:1:-1], 4, 32, 2, False, True)   # groups of 32
 

@@ -150,20 +150,25 @@ def mma_stage_bytes(M, plan):
     return ks * M * _MMA_GROUP_ROW_BYTES + tpb * _MMA_PARTIALS
 
 
-def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room):
-    """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu)."""
-    return (dtype in HALF and bits == 4 and gs == 64 and epi in (1, 2) and not bias and K % 256 == 0 and M <= 8
-            and room and (epi == 2 or M >= MMA_RESIDUAL_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
+def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0):
+    """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu). EPI 3 (QKV, heads of
+    head_dim): where a head is whole tiles and every tile has a block of its own (no streaming)."""
+    if epi == 3 and (head_dim % 16 or mma_tiles(N, epi) > RESIDENT_BLOCKS):
+        return False
+    return (dtype in HALF and bits == 4 and gs == 64 and not bias and K % 256 == 0 and M <= 8 and room
+            and (epi != 1 or M >= MMA_RESIDUAL_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
             and mma_plan(M, K, N, epi) is not None)
 
 
-def mma_defines(dtype, M, N, epi, eps, plan):
-    """#defines of a gemv_mma.cu phase of mma_plan's plan."""
+def mma_defines(dtype, M, N, epi, eps, plan, head=None):
+    """#defines of a gemv_mma.cu phase of mma_plan's plan (EPI 3: with the head epilogue's)."""
     ks, tpb, blocks = plan
     d = dict(M=M, NW=_MMA_WARPS, EPI=epi, TILE8=mma_tile8(N, epi), HAS_NORM=eps is not None, KS=ks, TPB=tpb,
              MMA_BF16=dtype == mx.bfloat16, STREAM=blocks if blocks < mma_tiles(N, epi) else 0)
     if eps is not None:
         d["EPS"] = flt(eps)
+    if head is not None:
+        d.update(head_defines(head))
     return d
 
 

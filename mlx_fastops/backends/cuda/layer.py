@@ -97,10 +97,10 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     room = gb * D <= 256
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
-        if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room):
+        if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0):
             plan = mma_plan(M, K, N, epi)
             stage_bytes, launched = mma_stage_bytes(M, plan), plan[2]
-            src, d, strided = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan), ()
+            src, d = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan, hd)
         else:
             vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
             stage = x_stage(M, K, dtype, bits, vec, room)
@@ -109,11 +109,11 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
             launched = stream_blocks(nb) if epi != 3 else nb   # the QKV phase's blocks complete heads
             d = gemv_defines(dtype, M, bits, gs, epi, vec, R, nw, eps, has_bias, hd, stage,
                              launched if launched < nb else 0)
-            src, strided = "gemv.cu", cache_inputs(head)
+            src = "gemv.cu"
         smem[0] = max(smem[0], stage_bytes)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
         header.append(_phase(name, src, d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
-                             gemv_outputs(epi), shaped=("w",), strided=strided))
+                             gemv_outputs(epi), shaped=("w",), strided=cache_inputs(head) if hd else ()))
         sizes.append(launched)
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
