@@ -386,13 +386,13 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
 # of the GEMV phases of one launch at batch 1 (qkv, o, gate/up, down) and whether x is staged.
 LAYERS = [
     ("qwen3-0.6b", ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072)),
-     (16, 8, 128), (512, 256, 384, 256), True),
+     (16, 8, 128), (256, 256, 384, 256), True),
     ("qwen3-4b", ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728)),
      (32, 8, 128), (384, 320, 406, 320), True),
     ("qwen3-8b", ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288)),
      (32, 8, 128), (384, 512, 512, 512), True),
     ("llama-3.2-1b", ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192)),
-     (32, 8, 64), (384, 512, 512, 512), True),
+     (32, 8, 64), (192, 512, 512, 512), True),
     ("qwen2.5-0.5b", ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864)),
      (14, 2, 64), (144, 224, 304, 224), False),
 ]
@@ -421,25 +421,23 @@ def test_layer_phases_on_tensor_cores(name, M, on_mma):
     """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): QKV and
     gate/up always; o_proj and down from 2 rows, at one row where their tiles fill more than half
     the wave (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); only K a multiple of 256
-    (Qwen2.5-0.5B: its down alone, K 4864); QKV only where a head is whole tiles of 16 rows, each
-    with a block (no streaming)."""
+    (Qwen2.5-0.5B: its down alone, K 4864); QKV only where a head is whole tiles of 16 rows."""
     shapes, (H, HKV, D) = {n: (s, h) for n, s, h, *_ in LAYERS}[name]
     got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, True, D)
                 for (bits, gs, N, K), epi in zip(shapes, (3, 1, 2, 1)))
     assert got == on_mma
     qkv = shapes[0]
     assert not G.mma_takes(mx.bfloat16, M, qkv[3], qkv[2], 4, 64, 3, False, True, 72)   # heads of 72: not whole tiles
-    assert not G.mma_takes(mx.bfloat16, M, qkv[3], 16 * (G.RESIDENT_BLOCKS + 1), 4, 64, 3, False, True, D)
     assert not G.mma_takes(mx.bfloat16, M, *shapes[1][3:1:-1], 8, 64, 1, False, True)   # 8-bit: gemv.cu
     assert not G.mma_takes(mx.bfloat16, M, *shapes[2][3:1:-1], 4, 32, 2, False, True)   # groups of 32
 
 
 @pytest.mark.parametrize("name,shapes,heads,blocks,staged", LAYERS)
 def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
-    """How the one-launch layer is cut on the H200 (as measured: docs/cuda-design.md): Qwen3-4B's
-    o_proj/down and Qwen3-4B/8B's QKV take more rows per warp to fit one wave of 528 blocks, the
-    gate/up phases run several row groups per block, the rest keep one group per block as a GEMV
-    launched alone would; x is staged in shared memory except beside attention blocks of more than
+    """How the one-launch layer is cut on the H200 at one row (as measured: docs/cuda-design.md):
+    the phases on tensor cores (gemv_mma.cu) a block per tile (QKV 16 rows, o_proj/down 8, gate/up
+    8 + 8 streamed to fit one wave of 528 blocks), Qwen2.5-0.5B's (K 896: gemv.cu) one row group per
+    block as a GEMV launched alone would, but gate/up's several per block; x is staged in shared memory except beside attention blocks of more than
     256 query-head values (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared
     memory)."""
     H, HKV, D = heads

@@ -131,7 +131,7 @@ def mma_plan(M, K, N, epi):
     last one shorter where they do not divide K) beside a set for each of a block's tiles; None
     where not even one chunk fits."""
     tiles = mma_tiles(N, epi)
-    blocks = stream_blocks(tiles)
+    blocks = tiles if epi == 3 else stream_blocks(tiles)   # the QKV phase's blocks complete heads
     ng = K // 64
     if ng * M * _MMA_GROUP_ROW_BYTES + _MMA_PARTIALS <= MMA_STAGE_MAX_BYTES:
         return ng, 1, blocks
@@ -152,8 +152,8 @@ def mma_stage_bytes(M, plan):
 
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu). EPI 3 (QKV, heads of
-    head_dim): where a head is whole tiles and every tile has a block of its own (no streaming)."""
-    if epi == 3 and (head_dim % 16 or mma_tiles(N, epi) > RESIDENT_BLOCKS):
+    head_dim): where a head is whole tiles of 16 rows."""
+    if epi == 3 and head_dim % 16:
         return False
     return (dtype in HALF and bits == 4 and gs == 64 and not bias and K % 256 == 0 and M <= 8 and room
             and (epi != 1 or M >= MMA_RESIDUAL_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
