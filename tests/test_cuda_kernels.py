@@ -314,6 +314,8 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its rows
         monkeypatch.setattr(G, "MMA_RESIDUAL_MIN_ROWS", 1)
+        monkeypatch.setattr(G, "MMA_QKV_MIN_ROWS", 1)
+        monkeypatch.setattr(G, "GROUP_MAX_WEIGHTS", 0)   # QKV as in a large layer
         if mma != "all":   # shared memory for one chunk of x beside a set of partials per tile
             tpb = 2 if mma == "sliced_stream" else 1
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 16 // tpb)
@@ -345,7 +347,7 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
                 assert G.mma_takes(mx.bfloat16, M, gu.in_features, gu.out_features, 4, 64, 2, False, True)
                 qkv = fb.qkv   # with its head epilogue where there is no bias (llama-tiny; not qwen2-tiny)
                 assert G.mma_takes(mx.bfloat16, M, qkv.in_features, qkv.out_features, 4, 64, 3,
-                                   qkv.bias is not None, True, fb.D) == (name == "llama-tiny")
+                                   qkv.bias is not None, True, fb.D, fb.weights) == (name == "llama-tiny")
             else:
                 assert G.mma_takes(mx.bfloat16, M, o.in_features, o.out_features, 4, 64, 1, False, True)
                 assert G.mma_plan(M, o.in_features, o.out_features, 1) == (4, tpb, 16 // tpb)
@@ -386,13 +388,13 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
 # of the GEMV phases of one launch at batch 1 (qkv, o, gate/up, down) and whether x is staged.
 LAYERS = [
     ("qwen3-0.6b", ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072)),
-     (16, 8, 128), (256, 256, 384, 256), True),
+     (16, 8, 128), (512, 256, 384, 256), True),
     ("qwen3-4b", ((4, 64, 6144, 2560), (4, 64, 2560, 4096), (4, 64, 19456, 2560), (4, 64, 2560, 9728)),
      (32, 8, 128), (384, 320, 406, 320), True),
     ("qwen3-8b", ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288)),
      (32, 8, 128), (384, 512, 512, 512), True),
     ("llama-3.2-1b", ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192)),
-     (32, 8, 64), (192, 512, 512, 512), True),
+     (32, 8, 64), (384, 512, 512, 512), True),
     ("qwen2.5-0.5b", ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864)),
      (14, 2, 64), (144, 224, 304, 224), False),
 ]
@@ -413,21 +415,24 @@ def test_layer_gemv_blocking_by_rows(M, configs):
 
 
 @pytest.mark.parametrize("name,M,on_mma", [
-    ("qwen3-0.6b", 1, (True, False, True, False)), ("qwen3-0.6b", 2, (True, True, True, True)),
-    ("qwen3-4b", 1, (True, True, True, True)), ("qwen3-8b", 1, (True, True, True, True)),
-    ("llama-3.2-1b", 1, (True, False, True, False)), ("llama-3.2-1b", 2, (True, True, True, True)),
+    ("qwen3-0.6b", 1, (False, False, True, False)), ("qwen3-0.6b", 2, (False, True, True, True)),
+    ("qwen3-4b", 1, (False, True, True, True)), ("qwen3-4b", 2, (True, True, True, True)),
+    ("qwen3-8b", 1, (False, True, True, True)), ("qwen3-8b", 4, (True, True, True, True)),
+    ("llama-3.2-1b", 1, (False, False, True, False)), ("llama-3.2-1b", 2, (False, True, True, True)),
     ("qwen2.5-0.5b", 4, (False, False, False, True))])
 def test_layer_phases_on_tensor_cores(name, M, on_mma):
-    """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): QKV and
-    gate/up always; o_proj and down from 2 rows, at one row where their tiles fill more than half
-    the wave (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); only K a multiple of 256
-    (Qwen2.5-0.5B: its down alone, K 4864); QKV only where a head is whole tiles of 16 rows."""
+    """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): gate/up
+    always; o_proj and down from 2 rows, at one row where their tiles fill more than half the wave
+    (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); QKV from 2 rows in layers of over
+    GROUP_MAX_WEIGHTS (Qwen3-4B / 8B) where a head is whole tiles of 16 rows; only K a multiple of
+    256 (Qwen2.5-0.5B: its down alone, K 4864)."""
     shapes, (H, HKV, D) = {n: (s, h) for n, s, h, *_ in LAYERS}[name]
-    got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, True, D)
+    weights = sum(N * K for _, _, N, K in shapes)
+    got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, True, D, weights)
                 for (bits, gs, N, K), epi in zip(shapes, (3, 1, 2, 1)))
     assert got == on_mma
-    qkv = shapes[0]
-    assert not G.mma_takes(mx.bfloat16, M, qkv[3], qkv[2], 4, 64, 3, False, True, 72)   # heads of 72: not whole tiles
+    qkv = shapes[0]   # heads of 72: not whole tiles
+    assert not G.mma_takes(mx.bfloat16, 4, qkv[3], qkv[2], 4, 64, 3, False, True, 72, 1 << 30)
     assert not G.mma_takes(mx.bfloat16, M, *shapes[1][3:1:-1], 8, 64, 1, False, True)   # 8-bit: gemv.cu
     assert not G.mma_takes(mx.bfloat16, M, *shapes[2][3:1:-1], 4, 32, 2, False, True)   # groups of 32
 
@@ -435,9 +440,10 @@ def test_layer_phases_on_tensor_cores(name, M, on_mma):
 @pytest.mark.parametrize("name,shapes,heads,blocks,staged", LAYERS)
 def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     """How the one-launch layer is cut on the H200 at one row (as measured: docs/cuda-design.md):
-    the phases on tensor cores (gemv_mma.cu) a block per tile (QKV 16 rows, o_proj/down 8, gate/up
-    8 + 8 streamed to fit one wave of 528 blocks), Qwen2.5-0.5B's (K 896: gemv.cu) one row group per
-    block as a GEMV launched alone would, but gate/up's several per block; x is staged in shared memory except beside attention blocks of more than
+    the phases on tensor cores (gemv_mma.cu) a block per tile (o_proj/down 8 rows, gate/up 8 + 8
+    streamed to fit one wave of 528 blocks); on gemv.cu Qwen3-4B/8B's QKV takes more rows per warp
+    to fit the wave, the rest one row group per block as a GEMV launched alone would (Qwen2.5-0.5B's
+    gate/up several per block); x is staged in shared memory except beside attention blocks of more than
     256 query-head values (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared
     memory)."""
     H, HKV, D = heads

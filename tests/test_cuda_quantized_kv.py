@@ -111,12 +111,17 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
     block evaluated in float32 over mlx-lm's QuantizedKVCache holding the same positions (which
     quantises the new rows with mx.quantize) than the stock bf16 block over it. Again with
     attention blocks of another number of query heads (all G, or 1 where the default takes all):
-    bit for bit."""
+    bit for bit. llama-tiny's QKV phase runs on tensor cores (gemv_mma.cu), as in a large layer."""
     from test_cuda_head import quantize_as_cuda
 
+    from mlx_fastops import kernels
+    from mlx_fastops.backends.cuda import gemv
     from mlx_fastops.backends.cuda.source import offset_array
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    if name == "llama-tiny":
+        monkeypatch.setattr(gemv, "GROUP_MAX_WEIGHTS", 0)
+        kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
     stock = model.model.layers[0]
     mlx_fastops.patch(model, disable=("compile",))
@@ -141,8 +146,12 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
         fb.gb = gb
         kc, vc = (mx.dequantize(*t, group_size=group, bits=bits) for t in quantized)
         mx.eval(fb.core(x, offset_array(P), kc, vc, kc))   # the new rows, unquantised, into kc / vc
+        qkv = fb.qkv
+        assert gemv.mma_takes(mx.bfloat16, B * L, qkv.in_features, qkv.out_features, 4, 64, 3, False, True, fb.D,
+                              fb.weights) == (name == "llama-tiny")
     finally:
         mlx_fastops.unpatch(model)
+        kernels.clear_builders()   # no kernel built under the forced rule outlives the test
     for a, b in zip((out_q, *bufs), (variant[0], *variant[1])):
         assert mx.array_equal(a, b)
     for i, new in enumerate((kc, vc)):

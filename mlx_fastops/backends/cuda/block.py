@@ -12,22 +12,17 @@ from .cache import StaticKVCache, StaticQuantizedKVCache
 from .head import cache_inputs
 from .layer import LAYER_GROUPS, layers_launch
 from .qmm import QMM_MAX_ROWS, head_tickets, norm_tickets, qmm, qmm_head, takes_weight
-from .source import HALF, MAX_ROWS, offset_array, tickets
-
-# Several layers per launch (step.launch_runs) win on small layers (Qwen3-0.6B 15M weights per
-# layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the H200) and measured no faster on
-# large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound.
-GROUP_MAX_WEIGHTS = 64 << 20
+from .source import GROUP_MAX_WEIGHTS, HALF, MAX_ROWS, offset_array, tickets
 
 
 def wide_from(weights):
     """The rows from which a block of `weights` takes FastBlock.wide (qmm) over the one-launch layer.
-    On large layers the GEMVs' per-row work costs more from 4 rows: H200, Qwen3-4B (96M weights a
-    layer), BatchGenerator, B = 5 / 8: 1057 / 2037 tok/s through wide vs 674 / 617, and a step of 4
-    rows runs the kernels of one of 5 (qmm's token tile is 8) where the one-launch layer's took
-    6.7 ms against wide's 4.7 ms at 5. On small layers (Qwen3-0.6B, 15M) the one launch wins up to
-    8 rows (B = 5 / 8: wide 1382 / 2165 vs 2276 / 2638)."""
-    return 4 if weights > GROUP_MAX_WEIGHTS else MAX_ROWS + 1
+    On large layers (H200, BatchGenerator, tg32 after 256 tokens) the one launch wins at 4 rows with
+    every GEMV phase on tensor cores (Qwen3-4B / 8B, 96M / 184M weights a layer: 1308 / 1002 tok/s vs
+    wide's 1087 / 770) and lost from 5 when its GEMVs' work grew with the rows (Qwen3-4B, B = 5 / 8:
+    wide 1057 / 2037 tok/s vs 674 / 617). On small layers (Qwen3-0.6B, 15M) the one launch wins up
+    to 8 rows (B = 5 / 8: wide 1382 / 2165 vs 2276 / 2638)."""
+    return 5 if weights > GROUP_MAX_WEIGHTS else MAX_ROWS + 1
 
 
 def _quant_ok(m):

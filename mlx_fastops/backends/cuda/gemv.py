@@ -17,7 +17,7 @@ from ...kernels import cached_builder, cuda_kernel
 from .. import reference
 from . import prefill, qmm
 from .head import cache_inputs, head_defines
-from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
+from .source import CTYPE, GROUP_MAX_WEIGHTS, HALF, MAX_ROWS, flt, kernel_name, rows, source
 
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
 RESIDENT_BLOCKS = 4 * 132
@@ -105,6 +105,13 @@ def x_stage_bytes(M, bits, vec, stage):
 # tiles: 53.9 -> 51.6 / 69.8 -> 68.1 us a layer) and not on Llama-3.2-1B (down, 256 tiles: 8.6 ->
 # 9.7 us) or Qwen3-0.6B (128 tiles: even).
 MMA_RESIDUAL_MIN_ROWS = 2
+# The QKV phase (its head epilogue too) from MMA_QKV_MIN_ROWS rows in layers of over
+# source.GROUP_MAX_WEIGHTS weights: us per phase (H200, one visit, 2026-12-04), gemv.cu -> gemv_mma.cu,
+# Qwen3-4B at 1 / 2 / 4 rows 10.8 -> 10.8, 17.0 -> 12.3, 23.7 -> 14.3; 8B 13.2 -> 13.8, 21.8 -> 16.4,
+# 41.1 -> 20.3. On Qwen3-0.6B and Llama-3.2-1B (several layers a launch) it lost: at one row by
+# 0.3-0.7 us a layer, at 2 rows their launches ran at 3 blocks per SM (layers 30.1 -> 32.8 and
+# 44.4 -> 53.1 us).
+MMA_QKV_MIN_ROWS = 2
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
 _MMA_GROUP_ROW_BYTES = 128 + 8   # staged x of a group of 64 and a row: T values, then (sig, sum x) in fp32
@@ -150,10 +157,11 @@ def mma_stage_bytes(M, plan):
     return ks * M * _MMA_GROUP_ROW_BYTES + tpb * _MMA_PARTIALS
 
 
-def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0):
+def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0, layer_weights=0):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu). EPI 3 (QKV, heads of
-    head_dim): where a head is whole tiles of 16 rows."""
-    if epi == 3 and head_dim % 16:
+    head_dim, in a layer of layer_weights): where a head is whole tiles of 16 rows, from
+    MMA_QKV_MIN_ROWS rows in large layers."""
+    if epi == 3 and (head_dim % 16 or M < MMA_QKV_MIN_ROWS or layer_weights <= GROUP_MAX_WEIGHTS):
         return False
     return (dtype in HALF and bits == 4 and gs == 64 and not bias and K % 256 == 0 and M <= 8 and room
             and (epi != 1 or M >= MMA_RESIDUAL_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)

@@ -95,9 +95,10 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     # query-head values (GB * D) alone take 20-45 KB, and static + dynamic above 48 KB needs an
     # opt-in that MLX makes only for dynamic sizes above 48000 bytes (else the launch is refused).
     room = gb * D <= 256
+    weights = sum(N * K for _, _, N, K in shapes)
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
-        if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0):
+        if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0, weights):
             plan = mma_plan(M, K, N, epi)
             stage_bytes, launched = mma_stage_bytes(M, plan), plan[2]
             src, d = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan, hd)
