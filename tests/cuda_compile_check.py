@@ -159,12 +159,15 @@ def qattn_case(dtype, L, H, HKV, D, bits, gs, causal):
 
 
 def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
-    """The one-launch decoder layer(s) (layer.layer_build), captured instead of built."""
+    """The one-launch decoder layer(s) (layer.layer_build), captured instead of built; large as a layer
+    over block.GROUP_MAX_WEIGHTS would be."""
     from mlx_fastops import kernels
+    from mlx_fastops.backends.cuda import block
     gb = A.head_subgroup(head["H"] // head["HKV"])
+    large = sum(N * K for _, _, N, K in shapes) > block.GROUP_MAX_WEIGHTS
     with kernels.use_cuda_factory(lambda **kw: kw):
         kw, _, _ = layer.layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, bias, tuple(sorted(head.items())), nsplit,
-                                     0.088, gb, nlayers, stamps)
+                                     0.088, gb, nlayers, stamps, large)
     T = CTYPE[mx.bfloat16]
     base = lambda n: n.rstrip("0123456789")   # layer j's inputs carry the suffix j
     typ = lambda n: "uint32_t" if base(n).endswith("_w") else (
@@ -208,9 +211,12 @@ def cases():
               ("qwen3-0.6b batch", 4, {**q06, "lpad": True}, 33, shapes06, False, 1, False),
               ("qwen3-0.6b batch", 8, {**q06, "lpad": True}, 33, shapes06, False, 28, False),
               ("qwen2.5-0.5b batch", 3, {**q25, "lpad": True}, 33, shapes25, True, 1, False),
+              ("qwen3-4b batch", 4, {**q06, "H": 32, "lpad": True}, 9, shapes4b, False, 1, False),
               # over a quantised cache (kv_bits): the QKV epilogue quantises, the attention phase reads packed
               ("qwen3-4b kv8", 1, {**q06, "H": 32, "kv": (8, 64)}, 17, shapes4b, False, 1, False),
               ("qwen3-8b kv4", 1, {**q06, "H": 32, "kv": (4, 64)}, 17, shapes8b, False, 1, False),
+              ("qwen3-8b kv4", 4, {**q06, "H": 32, "kv": (4, 64)}, 9, shapes8b, False, 1, False),
+              ("qwen3-8b kv8 batch", 8, {**q06, "H": 32, "kv": (8, 64), "lpad": True}, 5, shapes8b, False, 1, False),
               ("qwen3-0.6b kv8", 2, {**q06, "kv": (8, 64)}, 33, shapes06, False, 28, False),
               ("llama-1b kv8", 1, {**llama1b, "kv": (8, 32)}, 33, shapes_l1b, False, 16, False)]
     for name, M, head, nsplit, shapes, bias, n, stamps in layers:

@@ -315,7 +315,7 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its rows
         monkeypatch.setattr(G, "MMA_RESIDUAL_MIN_ROWS", 1)
         monkeypatch.setattr(G, "MMA_QKV_MIN_ROWS", 1)
-        monkeypatch.setattr(G, "GROUP_MAX_WEIGHTS", 0)   # QKV as in a large layer
+        monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", 0)   # QKV as in a large layer
         if mma != "all":   # shared memory for one chunk of x beside a set of partials per tile
             tpb = 2 if mma == "sliced_stream" else 1
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 16 // tpb)
@@ -347,7 +347,7 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
                 assert G.mma_takes(mx.bfloat16, M, gu.in_features, gu.out_features, 4, 64, 2, False, True)
                 qkv = fb.qkv   # with its head epilogue where there is no bias (llama-tiny; not qwen2-tiny)
                 assert G.mma_takes(mx.bfloat16, M, qkv.in_features, qkv.out_features, 4, 64, 3,
-                                   qkv.bias is not None, True, fb.D, fb.weights) == (name == "llama-tiny")
+                                   qkv.bias is not None, True, fb.D, not fb.grouped) == (name == "llama-tiny")
             else:
                 assert G.mma_takes(mx.bfloat16, M, o.in_features, o.out_features, 4, 64, 1, False, True)
                 assert G.mma_plan(M, o.in_features, o.out_features, 1) == (4, tpb, 16 // tpb)
@@ -419,20 +419,31 @@ def test_layer_gemv_blocking_by_rows(M, configs):
     ("qwen3-4b", 1, (False, True, True, True)), ("qwen3-4b", 2, (True, True, True, True)),
     ("qwen3-8b", 1, (False, True, True, True)), ("qwen3-8b", 4, (True, True, True, True)),
     ("llama-3.2-1b", 1, (False, False, True, False)), ("llama-3.2-1b", 2, (False, True, True, True)),
-    ("qwen2.5-0.5b", 4, (False, False, False, True))])
+    ("qwen2.5-0.5b", 4, (False, False, False, False))])
 def test_layer_phases_on_tensor_cores(name, M, on_mma):
     """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): gate/up
     always; o_proj and down from 2 rows, at one row where their tiles fill more than half the wave
     (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); QKV from 2 rows in layers of over
     GROUP_MAX_WEIGHTS (Qwen3-4B / 8B) where a head is whole tiles of 16 rows; only K a multiple of
-    256 (Qwen2.5-0.5B: its down alone, K 4864)."""
+    256 and where the attention blocks leave room for staged x (Qwen2.5-0.5B: none, K 896 and
+    blocks of 7 query heads; its down, K 4864, only for want of room)."""
     shapes, (H, HKV, D) = {n: (s, h) for n, s, h, *_ in LAYERS}[name]
-    weights = sum(N * K for _, _, N, K in shapes)
-    got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, True, D, weights)
+    large = sum(N * K for _, _, N, K in shapes) > block.GROUP_MAX_WEIGHTS
+    room = A.head_subgroup(H // HKV) * D <= 256   # as layer_build
+    assert not room or name != "qwen2.5-0.5b"
+    got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, room, D, large)
                 for (bits, gs, N, K), epi in zip(shapes, (3, 1, 2, 1)))
     assert got == on_mma
     qkv = shapes[0]   # heads of 72: not whole tiles
-    assert not G.mma_takes(mx.bfloat16, 4, qkv[3], qkv[2], 4, 64, 3, False, True, 72, 1 << 30)
+    assert not G.mma_takes(mx.bfloat16, 4, qkv[3], qkv[2], 4, 64, 3, False, True, 72, True)
+    # the layer built: each phase's source is gemv_mma.cu (mma.sync) exactly where the rule says
+    head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
+                log2_base=20.0, scale=1.0)
+    with kernels.use_cuda_factory(lambda **kw: kw):   # capture the kernel's arguments, build nothing
+        kw, _, _ = layer.layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())), 3,
+                                     0.088, A.head_subgroup(H // HKV), 1, False, large)
+    phases = {p.split("(")[0]: p for p in kw["header"].split("__device__ void layer_")[1:]}
+    assert tuple("mma.sync" in phases[p] for p in ("qkv", "o", "gate_up", "down")) == on_mma
     assert not G.mma_takes(mx.bfloat16, M, *shapes[1][3:1:-1], 8, 64, 1, False, True)   # 8-bit: gemv.cu
     assert not G.mma_takes(mx.bfloat16, M, *shapes[2][3:1:-1], 4, 32, 2, False, True)   # groups of 32
 

@@ -115,12 +115,12 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
     from test_cuda_head import quantize_as_cuda
 
     from mlx_fastops import kernels
-    from mlx_fastops.backends.cuda import gemv
+    from mlx_fastops.backends.cuda import block, gemv
     from mlx_fastops.backends.cuda.source import offset_array
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    if name == "llama-tiny":
-        monkeypatch.setattr(gemv, "GROUP_MAX_WEIGHTS", 0)
+    if name == "llama-tiny":   # a layer of its own, as a large one
+        monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", 0)
         kernels.clear_builders()
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3)
     stock = model.model.layers[0]
@@ -148,7 +148,7 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
         mx.eval(fb.core(x, offset_array(P), kc, vc, kc))   # the new rows, unquantised, into kc / vc
         qkv = fb.qkv
         assert gemv.mma_takes(mx.bfloat16, B * L, qkv.in_features, qkv.out_features, 4, 64, 3, False, True, fb.D,
-                              fb.weights) == (name == "llama-tiny")
+                              not fb.grouped) == (name == "llama-tiny")
     finally:
         mlx_fastops.unpatch(model)
         kernels.clear_builders()   # no kernel built under the forced rule outlives the test

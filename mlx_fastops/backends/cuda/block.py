@@ -12,16 +12,22 @@ from .cache import StaticKVCache, StaticQuantizedKVCache
 from .head import cache_inputs
 from .layer import LAYER_GROUPS, layers_launch
 from .qmm import QMM_MAX_ROWS, head_tickets, norm_tickets, qmm, qmm_head, takes_weight
-from .source import GROUP_MAX_WEIGHTS, HALF, MAX_ROWS, offset_array, tickets
+from .source import HALF, MAX_ROWS, offset_array, tickets
+
+# Several layers per launch (step.launch_runs) win on small layers (Qwen3-0.6B 15M weights per
+# layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the H200) and measured no faster on
+# large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound. A layer over it has a
+# launch of its own, whose QKV phase runs on tensor cores from 2 rows (layer_build's `large`).
+GROUP_MAX_WEIGHTS = 64 << 20
 
 
 def wide_from(weights):
     """The rows from which a block of `weights` takes FastBlock.wide (qmm) over the one-launch layer.
     On large layers (H200, BatchGenerator, tg32 after 256 tokens) the one launch wins at 4 rows with
     every GEMV phase on tensor cores (Qwen3-4B / 8B, 96M / 184M weights a layer: 1308 / 1002 tok/s vs
-    wide's 1087 / 770) and lost from 5 when its GEMVs' work grew with the rows (Qwen3-4B, B = 5 / 8:
-    wide 1057 / 2037 tok/s vs 674 / 617). On small layers (Qwen3-0.6B, 15M) the one launch wins up
-    to 8 rows (B = 5 / 8: wide 1382 / 2165 vs 2276 / 2638)."""
+    wide's 1087 / 770); at 6 and 8 rows wide's rate moved between processes too much for a verdict
+    (docs/cuda-design.md), so from 5 as before. On small layers (Qwen3-0.6B, 15M) the one launch wins
+    up to 8 rows (B = 5 / 8: wide 1382 / 2165 vs 2276 / 2638)."""
     return 5 if weights > GROUP_MAX_WEIGHTS else MAX_ROWS + 1
 
 

@@ -17,7 +17,7 @@ from ...kernels import cached_builder, cuda_kernel
 from .. import reference
 from . import prefill, qmm
 from .head import cache_inputs, head_defines
-from .source import CTYPE, GROUP_MAX_WEIGHTS, HALF, MAX_ROWS, flt, kernel_name, rows, source
+from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
 RESIDENT_BLOCKS = 4 * 132
@@ -45,7 +45,8 @@ def gemv_config(M, K, N, bits, epi, one_wave=False):
     launch at 4 rows 144 -> 105 registers (offline ptxas), 3 -> 4 blocks per SM. From 5 rows on a
     warp keeps the rows of one row: where x is unstaged (Qwen3-4B/8B at 8 rows) a warp converts it
     once for all of them (at 8 rows 2 blocks per SM; one row per warp at 4 blocks per SM was slower:
-    4B / 8B layer 363 / 561 vs 323 / 437 us). Qwen3-4B/8B's QKV at 3-4 rows: 768 blocks, two waves."""
+    4B / 8B layer 363 / 561 vs 323 / 437 us). Qwen3-4B/8B's QKV at 3-4 rows: 768 blocks, two waves (where
+    it is not on gemv_mma.cu: mma_takes)."""
     VEC = 4 if M <= 2 else (2 if M <= 4 else 1)
     while VEC > 1 and K % lane_elems(bits, VEC):
         VEC //= 2
@@ -105,8 +106,8 @@ def x_stage_bytes(M, bits, vec, stage):
 # tiles: 53.9 -> 51.6 / 69.8 -> 68.1 us a layer) and not on Llama-3.2-1B (down, 256 tiles: 8.6 ->
 # 9.7 us) or Qwen3-0.6B (128 tiles: even).
 MMA_RESIDUAL_MIN_ROWS = 2
-# The QKV phase (its head epilogue too) from MMA_QKV_MIN_ROWS rows in layers of over
-# source.GROUP_MAX_WEIGHTS weights: us per phase (H200, one visit, 2026-12-04), gemv.cu -> gemv_mma.cu,
+# The QKV phase (its head epilogue too) from MMA_QKV_MIN_ROWS rows in large layers (over
+# block.GROUP_MAX_WEIGHTS weights, a launch of their own): us per phase (H200, one visit, 2026-12-04), gemv.cu -> gemv_mma.cu,
 # Qwen3-4B at 1 / 2 / 4 rows 10.8 -> 10.8, 17.0 -> 12.3, 23.7 -> 14.3; 8B 13.2 -> 13.8, 21.8 -> 16.4,
 # 41.1 -> 20.3. On Qwen3-0.6B and Llama-3.2-1B (several layers a launch) it lost: at one row their
 # QKV phases ran 0.2-0.5 us slower, at 2 rows their launches ran at 3 blocks per SM (layers 30.1 ->
@@ -123,7 +124,7 @@ MMA_STAGE_MAX_BYTES = 32 * 1024
 def mma_tile8(N, epi):
     """Whether an EPI 1 phase of gemv_mma.cu takes tiles of 8 rows (TILE8): where tiles of 16 would
     leave block slots of the wave idle (Qwen3-4B o_proj / down 160 -> 320 blocks)."""
-    return epi == 1 and -(-N // 16) < RESIDENT_BLOCKS
+    return epi == 1 and -(-N // 8) <= RESIDENT_BLOCKS
 
 
 def mma_tiles(N, epi):
@@ -157,13 +158,12 @@ def mma_stage_bytes(M, plan):
     return ks * M * _MMA_GROUP_ROW_BYTES + tpb * _MMA_PARTIALS
 
 
-def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0, layer_weights=0):
+def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0, large=False):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu). EPI 3 (QKV, heads of
-    head_dim, in a layer of layer_weights): where a head is whole tiles of 16 rows, from
-    MMA_QKV_MIN_ROWS rows in large layers."""
-    if epi == 3 and (head_dim % 16 or M < MMA_QKV_MIN_ROWS or layer_weights <= GROUP_MAX_WEIGHTS):
+    head_dim): where a head is whole tiles of 16 rows, from MMA_QKV_MIN_ROWS rows in a large layer."""
+    if epi == 3 and (head_dim % 16 or M < MMA_QKV_MIN_ROWS or not large):
         return False
-    return (dtype in HALF and bits == 4 and gs == 64 and not bias and K % 256 == 0 and M <= 8 and room
+    return (epi in (1, 2, 3) and dtype in HALF and bits == 4 and gs == 64 and not bias and K % 256 == 0 and M <= 8 and room
             and (epi != 1 or M >= MMA_RESIDUAL_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
             and mma_plan(M, K, N, epi) is not None)
 

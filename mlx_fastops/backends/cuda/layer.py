@@ -76,7 +76,8 @@ def _phase_args(x, out, w, bias, head):
 
 
 @cached_builder
-def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb, nlayers=1, stamps=False):
+def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, scale, gb, nlayers=1, stamps=False,
+                large=False):
     """nlayers consecutive layers (same shapes) as one launch. Returns (kernel, blocks per group,
     input names).
 
@@ -84,7 +85,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     stamps: an extra output with each block's entry and end times (layer_stamp). Inputs of layer j
     carry the suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
-    `out`."""
+    `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
+    cores from 2 rows)."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -96,10 +98,9 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     # query-head values (GB * D) alone take 20-45 KB, and static + dynamic above 48 KB needs an
     # opt-in that MLX makes only for dynamic sizes above 48000 bytes (else the launch is refused).
     room = gb * D <= 256
-    weights = sum(N * K for _, _, N, K in shapes)
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
-        if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0, weights):
+        if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0, large):
             plan = mma_plan(M, K, N, epi)
             stage_bytes, launched = mma_stage_bytes(M, plan), plan[2]
             src, d = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan, hd)
@@ -245,7 +246,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     head = fb.head + (("L", L),) + kv_format(bufs[0], fb.D)
     kern, groups, names = layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
-                                      head, nsplit, fb.scale, fb.gb, len(blocks), stamps)
+                                      head, nsplit, fb.scale, fb.gb, len(blocks), stamps, not fb.grouped)
     nblocks = sum(groups)
     arrays = {"x": x, "off": off, "head_cnt": fb.head_tickets, "attn_cnt": fb.attn_tickets,
               "ctr": fb.layer_counters(len(blocks))}

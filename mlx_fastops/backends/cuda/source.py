@@ -18,11 +18,6 @@ CTYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"
 HALF = (mx.float16, mx.bfloat16)
 MAX_ROWS = 8   # activation rows of the decode kernels (B * L); more rows go to the reference
 PAD_WORDS = 4  # a batch cache's left padding, int32[max(B, PAD_WORDS)]: over 8 bytes (see OFF_WORDS)
-# Large layers: over this many weights a decoder layer has a launch of its own (block.py) and runs its
-# QKV phase on tensor cores from 2 rows (gemv.py). Several layers per launch (step.launch_runs) win on
-# small layers (Qwen3-0.6B 15M weights per layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the
-# H200) and measured no faster on large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md).
-GROUP_MAX_WEIGHTS = 64 << 20
 
 # A kernel in a launch of its own finds its block through blockIdx/gridDim.
 STANDALONE = dict(BLOCK_X="blockIdx.x", BLOCK_Y="blockIdx.y", BLOCK_Z="blockIdx.z", GRID_X="gridDim.x")
