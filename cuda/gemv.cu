@@ -419,12 +419,6 @@
 
 #if EPI == 3
   static_assert(!STREAM, "a head's blocks are its row groups");
-  // ---- head epilogue, by the block that completes the head ----
-  const int hb = (BLOCK_X * NW * R) / D;          // head index over q, k, v heads
-  const int ticket = hb, arrivals = D / (NW * R);   // a head's blocks
-#include "last_block.cuh"
-
-  const int row0 = 0, MV = M;
-  auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)m * N + hb * D + d); };
-#include "head.cuh"
+  constexpr int BR = NW * R;   // the block's rows: a slice of one head
+#include "qkv_head.cuh"
 #endif

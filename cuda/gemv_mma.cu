@@ -10,8 +10,9 @@
 // row), and the instructions per weight at one row are about half of gemv.cu's.
 //
 // A tile is 16 weight rows (EPI 2: 8 gate rows and the 8 matching up rows; TILE8, EPI 1: 8 rows, the
-// mma's rows 8-15 idle, for twice the tiles of a short phase); lane l holds rows l/4 and l/4 + 8. A lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a
-// row read the group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles
+// mma's rows 8-15 idle, for twice the tiles of a short phase); lane l holds rows l/4 and l/4 + 8. A
+// lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a row read the
+// group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles
 // i, i + 4 of a word, even k-slots) or E + 8q (nibbles i + 1, i + 5 after a 1-bit shift, odd
 // k-slots) under the exponent of E (128 bf16, 1024 f16: exact). The order of k inside an mma is
 // free as long as A and B agree, so x is staged in shared memory in the same order (odd slots as
@@ -298,12 +299,6 @@
 
 #if EPI == 3
   static_assert(!STREAM && !TILE8, "gemv_mma.cu: a head's blocks are its tiles of 16 rows");
-  // ---- head epilogue, by the block that completes the head ----
-  const int hb = BLOCK_X * 16 / D;               // head index over q, k, v heads
-  const int ticket = hb, arrivals = D / 16;      // a head's blocks
-#include "last_block.cuh"
-
-  const int row0 = 0, MV = M;
-  auto head_in = [&](int m, int d) { return __ldcg(ys + (size_t)m * N + hb * D + d); };
-#include "head.cuh"
+  constexpr int BR = 16;
+#include "qkv_head.cuh"
 #endif

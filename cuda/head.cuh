@@ -7,9 +7,10 @@
 // KV_BITS (a quantised cache, mlx-lm's QuantizedKVCache layout): k and v are quantised as
 // mx.quantize does (kv_quantize.cuh) into k_w/k_s/k_b and v_w/v_s/v_b [B, Hkv, S, D * KV_BITS / 32
 // or D / KV_GS] at position off[0] + l, instead of kc/vc.
-// Included by gemv.cu, gemv_mma.cu and qmm.cu (EPI 3). In scope: hb (the head over q, k, v heads), warp, lane,
-// row0, M (rows of the shared buffer), MV (the rows that exist, at most M), head_in(m, d) (row
-// row0 + m's projection output at column hb * D + d, as a float), and the defines and inputs named above.
+// Included by qkv_head.cuh (gemv.cu, gemv_mma.cu) and qmm.cu (EPI 3). In scope: hb (the head over
+// q, k, v heads), warp, lane, row0, M (rows of the shared buffer), MV (the rows that exist, at most
+// M), head_in(m, d) (row row0 + m's projection output at column hb * D + d, as a float), and the
+// defines and inputs named above.
   __shared__ float s_y[M][D];
   for (int e = threadIdx.x; e < MV * D; e += NW * 32) {
     const int m = e / D, d = e % D;

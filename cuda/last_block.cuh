@@ -1,7 +1,7 @@
 // The block that completes a set of `arrivals` blocks goes on past this point; the others return.
 // Each block fences its writes and takes a ticket on cnt[ticket]; the last one resets the ticket for
-// the next launch (launches are stream-ordered). Included by gemv.cu, gemv_mma.cu and qmm.cu (their
-// epilogues that read what the whole set wrote). In scope: cnt, ticket, arrivals.
+// the next launch (launches are stream-ordered). Included by qkv_head.cuh (gemv.cu, gemv_mma.cu) and
+// qmm.cu (their epilogues that read what the whole set wrote). In scope: cnt, ticket, arrivals.
   __shared__ int s_last;
   __threadfence();
   __syncthreads();

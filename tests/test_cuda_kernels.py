@@ -414,6 +414,19 @@ def test_layer_gemv_blocking_by_rows(M, configs):
     assert got == configs
 
 
+def captured_layer(M, shapes, heads, nsplit, large=False):
+    """layer.layer_build's kernel arguments and blocks per phase for a bf16 layer of these shapes and
+    (H, HKV, D) heads (Qwen3-style: q/k norms) at M rows over nsplit attention splits, captured:
+    nothing is built."""
+    H, HKV, D = heads
+    head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
+                log2_base=20.0, scale=1.0)
+    with kernels.use_cuda_factory(lambda **kw: kw):
+        kw, groups, _ = layer.layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())),
+                                          nsplit, 0.088, A.head_subgroup(H // HKV), 1, False, large)
+    return kw, groups
+
+
 @pytest.mark.parametrize("name,M,on_mma", [
     ("qwen3-0.6b", 1, (False, False, True, False)), ("qwen3-0.6b", 2, (False, True, True, True)),
     ("qwen3-4b", 1, (False, True, True, True)), ("qwen3-4b", 2, (True, True, True, True)),
@@ -437,11 +450,7 @@ def test_layer_phases_on_tensor_cores(name, M, on_mma):
     qkv = shapes[0]   # heads of 72: not whole tiles
     assert not G.mma_takes(mx.bfloat16, 4, qkv[3], qkv[2], 4, 64, 3, False, True, 72, True)
     # the layer built: each phase's source is gemv_mma.cu (mma.sync) exactly where the rule says
-    head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
-                log2_base=20.0, scale=1.0)
-    with kernels.use_cuda_factory(lambda **kw: kw):   # capture the kernel's arguments, build nothing
-        kw, _, _ = layer.layer_build(mx.bfloat16, M, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())), 3,
-                                     0.088, A.head_subgroup(H // HKV), 1, False, large)
+    kw, _ = captured_layer(M, shapes, (H, HKV, D), 3, large)
     phases = {p.split("(")[0]: p for p in kw["header"].split("__device__ void layer_")[1:]}
     assert tuple("mma.sync" in phases[p] for p in ("qkv", "o", "gate_up", "down")) == on_mma
     assert not G.mma_takes(mx.bfloat16, M, *shapes[1][3:1:-1], 8, 64, 1, False, True)   # 8-bit: gemv.cu
@@ -457,12 +466,7 @@ def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     gate/up several per block); x is staged in shared memory except beside attention blocks of more than
     256 query-head values (Qwen2.5's GQA 7: at 4 rows the launch would exceed 48 KB of shared
     memory)."""
-    H, HKV, D = heads
-    head = dict(D=D, H=H, HKV=HKV, L=1, freqs=False, qknorm=True, trad=False, qeps=1e-6, keps=1e-6,
-                log2_base=20.0, scale=1.0)
-    with kernels.use_cuda_factory(lambda **kw: kw):   # capture the kernel's arguments, build nothing
-        kw, groups, _ = layer.layer_build(mx.bfloat16, 1, shapes, 1e-6, 1e-6, False, tuple(sorted(head.items())),
-                                          17, 0.088, A.head_subgroup(H // HKV))
+    kw, groups = captured_layer(1, shapes, heads, 17)
     epis = (3, 1, 2, 1)
     alone = [G.gemv_blocks(N, e, G.gemv_config(1, K, N, b, e)[1], 4) for (b, _, N, K), e in zip(shapes, epis)]
     assert (groups[0], *groups[2:]) == blocks

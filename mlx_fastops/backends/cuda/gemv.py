@@ -107,11 +107,11 @@ def x_stage_bytes(M, bits, vec, stage):
 # 9.7 us) or Qwen3-0.6B (128 tiles: even).
 MMA_RESIDUAL_MIN_ROWS = 2
 # The QKV phase (its head epilogue too) from MMA_QKV_MIN_ROWS rows in large layers (over
-# block.GROUP_MAX_WEIGHTS weights, a launch of their own): us per phase (H200, one visit, 2026-12-04), gemv.cu -> gemv_mma.cu,
-# Qwen3-4B at 1 / 2 / 4 rows 10.8 -> 10.8, 17.0 -> 12.3, 23.7 -> 14.3; 8B 13.2 -> 13.8, 21.8 -> 16.4,
-# 41.1 -> 20.3. On Qwen3-0.6B and Llama-3.2-1B (several layers a launch) it lost: at one row their
-# QKV phases ran 0.2-0.5 us slower, at 2 rows their launches ran at 3 blocks per SM (layers 30.1 ->
-# 32.8 and 44.4 -> 53.1 us).
+# block.GROUP_MAX_WEIGHTS weights, a launch of their own): us per phase (H200, one visit,
+# 2026-12-04), gemv.cu -> gemv_mma.cu, Qwen3-4B at 1 / 2 / 4 rows 10.8 -> 10.8, 17.0 -> 12.3, 23.7
+# -> 14.3; 8B 13.2 -> 13.8, 21.8 -> 16.4, 41.1 -> 20.3. On Qwen3-0.6B and Llama-3.2-1B (several
+# layers a launch) it lost: at one row their QKV phases ran 0.2-0.5 us slower, at 2 rows their
+# launches ran at 3 blocks per SM (layers 30.1 -> 32.8 and 44.4 -> 53.1 us).
 MMA_QKV_MIN_ROWS = 2
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
