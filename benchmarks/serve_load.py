@@ -196,6 +196,13 @@ def ready(host, port, timeout, alive=lambda: True):
         conn.close()
 
 
+def sigint_default():
+    """In a server process before it starts: SIGINT's default action. A shell without job control
+    starts background commands with SIGINT ignored (POSIX), and children inherit that: a server
+    started from such a run would outlive stop()'s SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Server:
     """A server process started on a free loopback port, its stderr in a log file; startup_s: the
     seconds until it answered /health and a first completion; stop() sends SIGINT (both servers shut
@@ -208,7 +215,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         t0 = time.monotonic()
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=sigint_default)
         try:
             ready("127.0.0.1", self.port, startup_timeout, alive=lambda: self.proc.poll() is None)
             self.startup_s = time.monotonic() - t0

@@ -57,12 +57,19 @@ def model_dir(tmp_path_factory):
     return mlx_fastops.save_synthetic("qwen3-tiny", tmp_path_factory.mktemp("model") / "qwen3-tiny", bits=None)
 
 
+def sigint_default():
+    """SIGINT's default action in a server before it starts, as from a terminal: a shell without job
+    control starts background commands (e.g. a CI script run with `&`) with SIGINT ignored, which
+    pytest and its children would inherit, and the SIGINT tests would wait out STOP_TIMEOUT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Server:
     def __init__(self, kind, model, log, flags=()):
         self.port, self.log = free_port(), log
         with open(log, "wb") as f:
             self.proc = subprocess.Popen([*COMMANDS[kind], "--model", str(model), "--port", str(self.port), *flags],
-                                         stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+                                         stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=sigint_default)
 
     def wait_up(self):
         deadline = time.monotonic() + UP_TIMEOUT
