@@ -3,13 +3,17 @@
 // the next launch (launches are stream-ordered). Included by qkv_head.cuh (gemv.cu, gemv_mma.cu) and
 // qmm.cu (their epilogues that read what the whole set wrote). In scope: cnt, ticket, arrivals.
   __shared__ int s_last;
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) {   // one acq_rel add: this block's writes before it, the others' after it
     int* tk = const_cast<int*>(cnt) + ticket;
-    s_last = atomicAdd(tk, 1) == arrivals - 1;
+#ifdef __CUDA_ARCH__
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(tk) : "memory");
+#else
+    const int old = atomicAdd(tk, 1);
+#endif
+    s_last = old == arrivals - 1;
     if (s_last) *tk = 0;
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();

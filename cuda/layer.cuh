@@ -43,9 +43,16 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 __device__ __forceinline__ void layer_done(const int* ctr, int g) {
-  __threadfence();   // every thread's writes, then the block's arrival
+  // the block's writes, then its arrival: one release add after the barrier (cumulative over the
+  // writes the barrier ordered before it), not a fence in every thread
   __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(const_cast<int*>(ctr) + g, 1);
+  if (threadIdx.x == 0) {
+#ifdef __CUDA_ARCH__
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(ctr + g) : "memory");
+#else
+    atomicAdd(const_cast<int*>(ctr) + g, 1);
+#endif
+  }
 }
 __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
   if (g < 0) return;   // the launch's first group
@@ -57,7 +64,9 @@ __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
       if (++spins > (1 << 22)) __trap();
       __nanosleep(200);
     }
-    __threadfence();
+#ifdef __CUDA_ARCH__
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");   // the arrivals' writes before this block's reads
+#endif
   }
   __syncthreads();
 }
