@@ -16,7 +16,8 @@ over the reps, in us from the launch's first block entry:
   ready:    the previous group's last block end (this group's blocks may proceed from here on)
   p90 end / end: when 90% / all of the group's blocks had ended
   time:     end - ready, the group's share of the critical path; GB/s = its bytes (weights,
-            scales and biases; attention: the K/V rows) / time
+            scales and biases; attention: the K/V rows) / time, and as % of the copy bandwidth
+            measured at the start of the run (cuda_kernels.copy_bandwidth: 1 GiB read and written)
 The stamps add a barrier and three stores per block: these are timings of an instrumented kernel,
 whose registers (hence blocks per SM) must be the plain launch's (tests/cuda_compile_check.py);
 the summary's resident blocks seen show it. A launch of one layer re-runs the same layer every
@@ -121,7 +122,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
 def markdown(results, meta):
     lines = ["# One-launch decoder layer: time per phase (instrumented kernel)", "",
              f"device {meta['device']}; mlx {meta['mlx']}; commit {meta.get('commit')} (sources {meta['source']}); "
-             "median of the reps; "
+             f"measured copy bandwidth {meta['copy_GBs']:.0f} GB/s; median of the reps; "
              "us from the launch's first block entry.", ""]
     summary = ["| model | batch | layers per launch | attention splits | disabled | RESIDENT_BLOCKS | instrumented us | "
                "us per layer | resident blocks seen (per SM, SMs) |",
@@ -135,10 +136,10 @@ def markdown(results, meta):
                   f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
                   f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}: "
                   f"{r['total_us']:.1f} us", "",
-                  "| layer | phase | blocks | late | first in | ready | p90 end | end | time | GB/s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| layer | phase | blocks | late | first in | ready | p90 end | end | time | GB/s | % of copy |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in r["phases"]:
-            gbs = f"{p['GBs']:.0f}" if p["GBs"] else "-"
+            gbs = f"{p['GBs']:.0f} | {100 * p['GBs'] / meta['copy_GBs']:.0f}%" if p["GBs"] else "- | -"
             lines.append(f"| {p['layer']} | {p['phase']} | {p['blocks']} | {p['late_max']} | {p['first_in_us']:.1f} | {p['ready_us']:.1f} | "
                          f"{p['p90_end_us']:.1f} | {p['end_us']:.1f} | {p['time_us']:.1f} | {gbs} |")
         lines.append("")
@@ -169,8 +170,11 @@ def main():
     a = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("cuda_layer_phases: MLX's CUDA backend is not available here")
+    from benchmarks.cuda_kernels import copy_bandwidth
+
     m = machine()
-    meta = {"device": m.get("gpu") or m["device"], "mlx": m["mlx"], "commit": m["commit"], "source": m["sources"]}
+    meta = {"device": m.get("gpu") or m["device"], "mlx": m["mlx"], "commit": m["commit"], "source": m["sources"],
+            "copy_GBs": copy_bandwidth()}
     nlayers = [int(n) for n in a.layers.split(",")]
     from mlx_fastops.backends.cuda import attention
     targets = [int(t) for t in a.attn_blocks.split(",") if t] or [attention.ATTN_TARGET_BLOCKS]
@@ -180,8 +184,8 @@ def main():
                                 int(b))]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    out.with_suffix(".md").write_text(markdown(results, meta))
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))   # OUT may hold dots
+    Path(f"{out}.md").write_text(markdown(results, meta))
     print(markdown(results, meta))
 
 
