@@ -3,7 +3,7 @@ end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
         [--prompt 512] [--reps 20] [--batch 1,4,8] [--attn-blocks 264,132] [--resident 528,396]
-        [--disable '' --disable NAMES] [--out benchmarks/results/cuda_layer_phases]
+        [--disable '' --disable NAMES] [--flush-l2 MB] [--out benchmarks/results/cuda_layer_phases]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
 launches its first n fused layers (n per --layers) as one layer launch with stamps, for --batch rows,
@@ -18,11 +18,13 @@ over the reps, in us from the launch's first block entry:
   time:     end - ready, the group's share of the critical path; GB/s = its bytes (weights,
             scales and biases; attention: the K/V rows) / time, and as % of the copy bandwidth
             measured at the start of the run (cuda_kernels.copy_bandwidth: 1 GiB read and written)
+Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read and written, so
+that the launch finds other data in the 50 MB L2, as a decode step's layer does (the previous layer's
+rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit the
+L2 may still be there from the previous rep.
 The stamps add a barrier and three stores per block: these are timings of an instrumented kernel,
 whose registers (hence blocks per SM) must be the plain launch's (tests/cuda_compile_check.py);
-the summary's resident blocks seen show it. A launch of one layer re-runs the same layer every
-rep, so weights that fit the 50 MB L2 may still be there from the previous rep, which decode
-never sees: read per-phase figures of small layers from launches of several layers.
+the summary's resident blocks seen show it.
 One set of tables per --attn-blocks (attention.ATTN_TARGET_BLOCKS, hence the splits of the
 sequence), --resident (gemv.RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and
 --disable set (fusions of mlx_fastops.FUSIONS patched off); a summary comes last, with the most
@@ -55,7 +57,7 @@ def phase_bytes(fb, batch, ctx):
     return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
 
 
-def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1):
+def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1, flush_mb=128):
     import mlx.core as mx
     import numpy as np
 
@@ -90,7 +92,11 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             # outputs, whose first writes would then fault (phases many times their length).
             mx.clear_cache()
             stamped = []
+            junk = mx.zeros(((flush_mb << 20) // 2,), dtype=mx.float16) if flush_mb else None
             for r in range(reps + 3):   # 3 warm-up launches
+                if junk is not None:   # the L2 holds other lines when the launch starts
+                    junk = junk + 1
+                    mx.eval(junk)
                 _, _, st, groups = layer.layers_launch(fbs[:n], x, off, bufs, stamps=True)
                 mx.eval(st)
                 stamped.append(st)
@@ -105,7 +111,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                               "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
                               "end_us": end, "time_us": t,
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
-            out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps,
+            out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps, "flush_l2_MB": flush_mb,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                         "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
@@ -134,7 +140,8 @@ def markdown(results, meta):
                        f"{r['resident_max']} ({r['resident_per_sm_max']}, {r['sms']}) |")
         lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
                   f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
-                  f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}: "
+                  f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}, "
+                  f"L2 flushed with {r.get('flush_l2_MB', 0)} MB: "
                   f"{r['total_us']:.1f} us", "",
                   "| layer | phase | blocks | late | first in | ready | p90 end | end | time | GB/s | % of copy |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -166,6 +173,7 @@ def main():
                     help="comma-separated switches (mlx_fastops.FUSIONS) to patch without; repeatable: "
                          "one set of tables each ('' for the defaults)")
     ap.add_argument("--batch", default="1", help="activation rows (sequences) of the decode step, comma-separated")
+    ap.add_argument("--flush-l2", type=int, default=128, help="MB of another buffer written before each launch (0: none)")
     ap.add_argument("--out", default="benchmarks/results/cuda_layer_phases", help="writes OUT.md and OUT.json")
     a = ap.parse_args()
     if not mx.cuda.is_available():
@@ -181,7 +189,7 @@ def main():
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
     results = [r for name in a.models.split(",") for b in a.batch.split(",") for d in (a.disable or [""])
                for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents,
-                                int(b))]
+                                int(b), a.flush_l2)]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))   # OUT may hold dots

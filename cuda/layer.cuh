@@ -54,6 +54,18 @@ __device__ __forceinline__ void layer_done(const int* ctr, int g) {
 #endif
   }
 }
+// The launch's last phase: thread 0, after the block barrier, arrives with one acq_rel add (its
+// block's writes before it; for the last arrival, every other block's before its counter reset) and
+// gets the count before it.
+__device__ __forceinline__ int layer_arrive_last(const int* ctr, int g) {
+#ifdef __CUDA_ARCH__
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ctr + g) : "memory");
+  return old;
+#else
+  return atomicAdd(const_cast<int*>(ctr) + g, 1);
+#endif
+}
 __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
   if (g < 0) return;   // the launch's first group
   if (threadIdx.x == 0) {

@@ -50,21 +50,10 @@
   }
   if (nvalid == 1) return;
 
-  __shared__ int s_last;
-  __syncthreads();
-  if (tid == 0) {   // one acq_rel add: this block's partials before it, the others' after it
-    int* c = const_cast<int*>(cnt) + (bl * HKV + hk) * NSUB + g0 / GB;
-#ifdef __CUDA_ARCH__
-    int ticket;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(c) : "memory");
-#else
-    const int ticket = atomicAdd(c, 1);
-#endif
-    s_last = (ticket == nvalid - 1);
-    if (s_last) *c = 0;   // reset for the next launch (launches are stream-ordered)
+  {
+    const int ticket = (bl * HKV + hk) * NSUB + g0 / GB, arrivals = nvalid;
+#include "last_block.cuh"
   }
-  __syncthreads();
-  if (!s_last) return;
 
   // final merge over the splits: c[s][g] = exp2(m_s - M_g), o = sum_s c po_s / sum_s c l_s.
   // Every step reads all splits at once (the splits' partials are L2 round trips: a loop of

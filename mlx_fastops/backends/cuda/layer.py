@@ -212,11 +212,10 @@ def _counter_reset(group, arrivals, counters, only_if=""):
     """CUDA lines ending a launch's last phase: the block that finishes last (the `arrivals`-th
     of group counter `group`, where `only_if` also holds) zeroes the launch's `counters` group
     counters for the next launch."""
-    return ["__threadfence();", "__syncthreads();",
+    return ["__syncthreads();",
             "if (threadIdx.x == 0) {   // the last block of the launch resets the counters for the next one",
-            "  int* c = const_cast<int*>(ctr);",
-            f"  if (atomicAdd(c + {group}, 1) == {arrivals} - 1{only_if}) {{",
-            f"    for (int i = 0; i < {counters}; ++i) c[i] = 0;", "  }", "}"]
+            f"  if (layer_arrive_last(ctr, {group}) == {arrivals} - 1{only_if}) {{",
+            f"    for (int i = 0; i < {counters}; ++i) const_cast<int*>(ctr)[i] = 0;", "  }", "}"]
 
 
 def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
