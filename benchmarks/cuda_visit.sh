@@ -23,6 +23,8 @@
 #   prefill      GEMMs of 9-8192 rows: stock quantized_matmul, qmm, dequantise + matmul, dense, TFLOP/s -> results/cuda_prefill.*
 #   phases       time per phase inside the layer launch -> results/cuda_layer_phases_{large,small}.*, and
 #                at 4 and 8 rows (batched decode) -> results/cuda_layer_phases_batch.*
+#   phases_l2    the large tables (Qwen3-8B/4B, 1 and 4 rows) with the L2 flushed before each launch and not,
+#                in turn, twice -> $OUT/phases_l2.tgz (whether one-layer tables read weights from the L2)
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
 #                Nsight Systems NVTX/CUDA-API summary of Qwen3-4B decode where nsys is installed
 #   groups       every layer in one launch beside the default, with a cProfile of the step builds
@@ -140,6 +142,14 @@ case "$mode" in
     tail -n 25 "$OUT/kernels.log"; cp "$R"/cuda_kernels.* "$OUT/" ;;
   phases)
     phases "$R" 150; cp "$R"/cuda_layer_phases_*.md "$R"/cuda_layer_phases_*.json "$OUT/" ;;
+  phases_l2)
+    A="$OUT/phases_l2"; mkdir -p "$A"
+    for r in 1 2; do for mb in 128 0; do
+      timeout 120 python3 benchmarks/cuda_layer_phases.py --models qwen3-8b,qwen3-4b --layers 1 --reps 12 --batch 1,4 \
+        --flush-l2 $mb --out "$A/flush${mb}_$r" > "$A/flush${mb}_$r.log" 2>&1
+      echo "== flush $mb MB, run $r"; grep -E "^\| (qwen|llama)" "$A/flush${mb}_$r.md" | cut -c1-110
+    done; done
+    tar czf "$OUT/phases_l2.tgz" -C "$A" . ;;
   host)
     timeout 300 python3 benchmarks/cuda_host.py --out "$R/cuda_host" > "$OUT/host.log" 2>&1
     tail -n 24 "$OUT/host.log"; cp "$R"/cuda_host.* "$OUT/"
