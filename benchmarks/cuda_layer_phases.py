@@ -141,7 +141,7 @@ def markdown(results, meta):
         lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
                   f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
                   f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}, "
-                  f"L2 flushed with {r.get('flush_l2_MB', 0)} MB: "
+                  f"L2 flushed with {r['flush_l2_MB']} MB: "
                   f"{r['total_us']:.1f} us", "",
                   "| layer | phase | blocks | late | first in | ready | p90 end | end | time | GB/s | % of copy |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -57,11 +57,16 @@ def model_dir(tmp_path_factory):
     return mlx_fastops.save_synthetic("qwen3-tiny", tmp_path_factory.mktemp("model") / "qwen3-tiny", bits=None)
 
 
-def sigint_default():
-    """SIGINT's default action in a server before it starts, as from a terminal: a shell without job
-    control starts background commands (e.g. a CI script run with `&`) with SIGINT ignored, which
-    pytest and its children would inherit, and the SIGINT tests would wait out STOP_TIMEOUT."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _load_serve_load():
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The load generator's module: its sigint_default starts these servers too (a CI script run with `&`
+# would leave SIGINT ignored in them, and the SIGINT tests would wait out STOP_TIMEOUT).
+SERVE_LOAD = _load_serve_load()
 
 
 class Server:
@@ -69,7 +74,8 @@ class Server:
         self.port, self.log = free_port(), log
         with open(log, "wb") as f:
             self.proc = subprocess.Popen([*COMMANDS[kind], "--model", str(model), "--port", str(self.port), *flags],
-                                         stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=sigint_default)
+                                         stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         preexec_fn=SERVE_LOAD.sigint_default)
 
     def wait_up(self):
         deadline = time.monotonic() + UP_TIMEOUT
@@ -339,10 +345,7 @@ def test_bad_command_lines_are_refused(argv, message, busy_port, model_dir, monk
 
 @pytest.fixture(scope="module")
 def serve_load():
-    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return SERVE_LOAD
 
 
 def _check_rows(doc, servers, clients, per_client, max_tokens):
