@@ -193,22 +193,29 @@ def test_real_sizes_two_layers(name, batch, monkeypatch):
 def test_qwen3_0p6b_patched_at_least_as_close_to_fp32_as_stock(monkeypatch):
     """Real-size bf16 greedy tokens of patched and stock diverge after a few tokens (stock adds
     4-bit GEMVs up in bf16, ours in fp32). Which is right: both against the float32 oracle, fed
-    the same tokens. The fused path must not be further from it than stock. (H200, 2026-11-29:
-    mean |logit error| stock 0.465, patched 0.389; top-1 agreement 0.917 both.)"""
+    the same tokens, judged by the half-precision standard (fidelity.judge): no further from it
+    than stock, and stock's token wherever stock's margin is clear. Most steps of this random model
+    are near-ties (stock's own logits are up to ~3 off), where top-1 agreement is a coin toss either
+    way: H200, 2026-12-04, 24 tokens, stock 23 / 24 vs patched 22 / 24 in one run, 22 vs 18 in
+    another (both paths' figures moved: stock's greedy tokens, which both are fed, seem to vary run
+    to run), no clear step changed; 48 tokens: mean |logit error| stock 0.463, patched 0.371, top-1
+    0.875 vs 0.917, 7 clear steps, none changed."""
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     model = synthetic_model("qwen3-0.6b", bits=4)
     prompt = mx.random.randint(0, 151936, (260,), key=mx.random.key(3))
-    tokens = greedy(model, prompt[None], 24)[0][0].tolist()
+    tokens = greedy(model, prompt[None], 48)[0][0].tolist()
     oracle = fidelity.forced_logits(fidelity.fp32_oracle(synthetic_model("qwen3-0.6b", bits=4)), prompt, tokens)
-    stock = fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)
+    stock = fidelity.forced_logits(model, prompt, tokens)
     mlx_fastops.patch(model)
     try:
-        fused = fidelity.against(fidelity.forced_logits(model, prompt, tokens), oracle)
+        fused = fidelity.forced_logits(model, prompt, tokens)
     finally:
         mlx_fastops.unpatch(model)
-    print(f"qwen3-0.6b vs float32: stock {stock}, patched {fused}")
-    assert fused["mean_abs"] <= 1.05 * stock["mean_abs"]
-    assert fused["top1_agree"] >= stock["top1_agree"] - 1 / 24
+    verdict = fidelity.judge(stock, fused, oracle)
+    print(f"qwen3-0.6b vs float32: stock {verdict['stock']}, patched {verdict['patched']}, "
+          f"clear steps {verdict['clear']}, changed {verdict['changed']}")
+    assert verdict["clear"] >= 3, f"only {verdict['clear']} of 48 steps have a clear margin: nothing to judge"
+    assert not verdict["problems"], verdict["problems"]
 
 
 @pytest.mark.parametrize("name,layers", [("qwen3-0.6b", 8), ("llama-3.2-1b", 8)])
