@@ -18,6 +18,10 @@ over the reps, in us from the launch's first block entry:
   time:     end - ready, the group's share of the critical path; GB/s = its bytes (weights,
             scales and biases; attention: the K/V rows) / time, and as % of the copy bandwidth
             measured at the start of the run (cuda_kernels.copy_bandwidth: 1 GiB read and written)
+  set tail: the QKV and attention phases complete in ticketed sets (a head's blocks; a row's
+            splits) whose last block then runs the head epilogue / the split merge: per set, its
+            last block end minus its second-last (phases.set_tails), median over the sets / the
+            set that ended last
 Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read and written, so
 that the launch finds other data in the 50 MB L2, as a decode step's layer does (the previous layer's
 rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit the
@@ -49,6 +53,13 @@ def median_rows(runs):
     return [tuple(statistics.median(r[i][k] for r in runs) for k in range(4)) for i in range(len(runs[0]))]
 
 
+def median_pair(per_rep):
+    """Element-wise median of one group's set_tails over the reps (None where it has no sets)."""
+    if per_rep[0] is None:
+        return None
+    return [statistics.median(r[k] for r in per_rep) for k in range(2)]
+
+
 def phase_bytes(fb, batch, ctx):
     """Bytes each phase of one layer must read: packed weights + scales + biases; attention: the
     K and V rows of ctx positions."""
@@ -64,7 +75,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     import mlx_fastops
     from mlx_fastops import kernels, synthetic_model
     from mlx_fastops.backends.cuda import attention, cache, gemv, layer, source
-    from mlx_fastops.backends.cuda.phases import late_blocks, phase_rows, residency
+    from mlx_fastops.backends.cuda.phases import late_blocks, layer_sets, phase_rows, residency, set_tails
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
@@ -104,12 +115,14 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             rows = median_rows([phase_rows(st, groups) for st in stamped])
             late = [max(c) for c in zip(*(late_blocks(st, groups) for st in stamped))]
             res = [max(c) for c in zip(*(residency(st) for st in stamped))]
+            sets = layer_sets(groups, fb.H + 2 * fb.HKV, nsplit, len(PHASES))
+            tails = [median_pair(c) for c in zip(*(set_tails(st, groups, sets) for st in stamped))]
             table = []
             for i, (first, ready, p90, end) in enumerate(rows):
                 t = end - ready
                 table.append({"layer": i // len(PHASES), "phase": PHASES[i % len(PHASES)], "blocks": groups[i],
                               "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
-                              "end_us": end, "time_us": t,
+                              "end_us": end, "time_us": t, "set_tail_us": tails[i],
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
             out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps, "flush_l2_MB": flush_mb,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
@@ -143,12 +156,13 @@ def markdown(results, meta):
                   f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}, "
                   f"L2 flushed with {r['flush_l2_MB']} MB: "
                   f"{r['total_us']:.1f} us", "",
-                  "| layer | phase | blocks | late | first in | ready | p90 end | end | time | GB/s | % of copy |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| layer | phase | blocks | late | first in | ready | p90 end | end | time | set tail | GB/s | % of copy |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in r["phases"]:
             gbs = f"{p['GBs']:.0f} | {100 * p['GBs'] / meta['copy_GBs']:.0f}%" if p["GBs"] else "- | -"
+            tail = "{:.1f} / {:.1f}".format(*p["set_tail_us"]) if p.get("set_tail_us") else "-"
             lines.append(f"| {p['layer']} | {p['phase']} | {p['blocks']} | {p['late_max']} | {p['first_in_us']:.1f} | {p['ready_us']:.1f} | "
-                         f"{p['p90_end_us']:.1f} | {p['end_us']:.1f} | {p['time_us']:.1f} | {gbs} |")
+                         f"{p['p90_end_us']:.1f} | {p['end_us']:.1f} | {p['time_us']:.1f} | {tail} | {gbs} |")
         lines.append("")
     return "\n".join(lines + ["## Summary (instrumented launch, median)", ""] + summary)
 

@@ -609,12 +609,17 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
             chunk = np.maximum(-(-n // nsplit), A.ATTN_MINCH)
             waited = i % nsplit < -(-n // chunk)
         assert ends[g][waited].min() > ends[g - 1].max(), f"group {g} ended before group {g - 1}"
-    from mlx_fastops.backends.cuda.phases import phase_rows
+    from mlx_fastops.backends.cuda.phases import layer_sets, phase_rows, set_tails
     rows = phase_rows(st, groups)
     # blocks of several groups enter within one tick of the first: the earliest is any group's
     assert len(rows) == len(groups) and min(r[0] for r in rows) == 0.0
     for (first, ready, p90, end), prev in zip(rows, [(0, 0, 0, 0.0)] + rows):
         assert ready == prev[3] and first <= p90 <= end and end > ready
+    # the benchmark's ticketed sets tile the QKV and attention groups: a tail each, none elsewhere
+    tails = set_tails(st, groups, layer_sets(groups, fb.H + 2 * fb.HKV, nsplit, layer.LAYER_GROUPS))
+    for g, t in enumerate(tails):
+        assert (t is not None) == (g % layer.LAYER_GROUPS < 2), (g, t)
+        assert t is None or min(t) >= 0
 
 
 @pytest.mark.parametrize("late_entry,late,per_sm", [(16, [0, 1], 2), (11, [0, 0], 3)])
@@ -626,6 +631,19 @@ def test_phase_stamps_second_wave_and_residency(late_entry, late, per_sm):
                    (1, 20, 0), (1, 15, 1), (late_entry, 25, 1)])   # group 1: its block 1 ends at 15
     assert late_blocks(st, [2, 3]) == late
     assert residency(st) == (4, per_sm, 2)
+
+
+@pytest.mark.parametrize("sets,tails", [([2, 3], [(0.85, 1.5), (0.5, 0.5)]),   # group 0's sets end 1.0, 1.2 / 1.5, 3.0
+                                        ([4, 0], [(1.5, 1.5), None]),
+                                        ([3, 3], [None, (0.5, 0.5)])])          # 4 blocks are no sets of 3
+def test_phase_set_tails(sets, tails):
+    """phases.set_tails: per ticketed set of consecutive blocks, its last end minus its second-last;
+    the median over the group's sets and the value of the set that ended last."""
+    from mlx_fastops.backends.cuda.phases import set_tails
+    st = np.array([(0, 1000, 0), (0, 1200, 0), (0, 1500, 0), (0, 3000, 0),   # group 0
+                   (0, 3100, 0), (0, 3300, 0), (0, 3800, 0)])                # group 1
+    got = set_tails(st, [4, 3], sets)
+    assert [g if g is None else tuple(round(v, 9) for v in g) for g in got] == tails
 
 
 def test_decode_step_with_layers_sharing_launches(monkeypatch):

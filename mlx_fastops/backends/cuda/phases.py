@@ -3,6 +3,9 @@
 The stamps are int64 [blocks, 3], one row per block in launch order: its entry and end time
 (%globaltimer, ns) and its SM id. `groups` gives the blocks of each group (layer j, phase p), in
 the same order. benchmarks/cuda_layer_phases.py turns these into per-phase tables.
+Some phases complete in sets (last_block.cuh): the block that takes a set's last ticket then does
+the set's remaining work (the QKV phase's head epilogue over a head's blocks, the attention merge over
+a row's splits); set_tails times that work from the stamps.
 """
 
 import numpy as np
@@ -40,3 +43,28 @@ def residency(stamps):
 
     sms = np.unique(st[:, 2])
     return most(st), max(most(st[st[:, 2] == sm]) for sm in sms), len(sms)
+
+
+def layer_sets(groups, heads, nsplit, phases=5):
+    """Blocks per ticketed set of each group of a layer launch (`phases` groups a layer): the QKV
+    phase's are a head's blocks (`heads` q, k and v heads), the attention phase's a row's `nsplit`
+    splits; 0 for the other phases."""
+    return [{0: groups[i] // heads, 1: nsplit}.get(i % phases, 0) for i in range(len(groups))]
+
+
+def set_tails(stamps, groups, sets):
+    """Per group, with sets[i] its blocks per ticketed set (consecutive in launch order; 0: the group
+    has none): (median over its sets, and for the set that ended last) of the set's last block end
+    minus its second-last, in us: the work of the block that completed the set after the others had
+    taken their tickets, plus how much later than them it took its own. None for a group without sets."""
+    st = np.asarray(stamps, dtype=np.int64)
+    bounds = np.cumsum([0, *groups])
+    out = []
+    for a, b, n in zip(bounds[:-1], bounds[1:], sets):
+        if not n or n < 2 or (b - a) % n:
+            out.append(None)
+            continue
+        ends = np.sort(st[a:b, 1].reshape(-1, n), axis=1)
+        tails = (ends[:, -1] - ends[:, -2]) / 1e3
+        out.append((float(np.median(tails)), float(tails[np.argmax(ends[:, -1])])))
+    return out
