@@ -25,6 +25,9 @@
 #                at 4 and 8 rows (batched decode) -> results/cuda_layer_phases_batch.*
 #   phases_l2    the large tables (Qwen3-8B/4B, 1 and 4 rows) with the L2 flushed before each launch and not,
 #                in turn, twice -> $OUT/phases_l2.tgz (whether one-layer tables read weights from the L2)
+#   attn_splits  the large one-row tables with 528 / 264 / 132 / 66 attention blocks (splits of the sequence)
+#                after 512 and 2048 tokens, with set tails -> $OUT/attn_splits.tgz (is the ~9 us attention phase at
+#                short context its splits' merge, and would fewer splits do)
 #   host         launch cost by source length, host split per variant -> results/cuda_host.*; then an
 #                Nsight Systems NVTX/CUDA-API summary of Qwen3-4B decode where nsys is installed
 #   groups       every layer in one launch beside the default, with a cProfile of the step builds
@@ -150,6 +153,14 @@ case "$mode" in
       echo "== flush $mb MB, run $r"; grep -E "^\| (qwen|llama)" "$A/flush${mb}_$r.md" | cut -c1-110
     done; done
     tar czf "$OUT/phases_l2.tgz" -C "$A" . ;;
+  attn_splits)
+    A="$OUT/attn_splits"; mkdir -p "$A"
+    for p in 512 2048; do
+      timeout 250 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b --layers 1 --reps 12 --prompt $p \
+        --attn-blocks 528,264,132,66 --out "$A/prompt$p" > "$A/prompt$p.log" 2>&1
+      echo "== $p cached positions"; grep -E "^\| 0 \| attention|^## " "$A/prompt$p.md" | cut -c1-160
+    done
+    tar czf "$OUT/attn_splits.tgz" -C "$A" . ;;
   host)
     timeout 300 python3 benchmarks/cuda_host.py --out "$R/cuda_host" > "$OUT/host.log" 2>&1
     tail -n 24 "$OUT/host.log"; cp "$R"/cuda_host.* "$OUT/"
