@@ -18,10 +18,10 @@ over the reps, in us from the launch's first block entry:
   time:     end - ready, the group's share of the critical path; GB/s = its bytes (weights,
             scales and biases; attention: the K/V rows) / time, and as % of the copy bandwidth
             measured at the start of the run (cuda_kernels.copy_bandwidth: 1 GiB read and written)
-  set tail: the QKV and attention phases complete in ticketed sets (a head's blocks; a row's
-            splits) whose last block then runs the head epilogue / the split merge: per set, its
-            last block end minus its second-last (phases.set_tails), median over the sets / the
-            set that ended last
+  set tail: the QKV and attention phases complete in ticketed sets (a head's blocks; the splits
+            of a row, kv head and head subgroup) whose last block then runs the head epilogue / the
+            split merge: per set, its last block end minus its second-last (phases.set_tails),
+            median over the sets / the set that ended last
 Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read and written, so
 that the launch finds other data in the 50 MB L2, as a decode step's layer does (the previous layer's
 rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit the

@@ -155,11 +155,11 @@ case "$mode" in
     tar czf "$OUT/phases_l2.tgz" -C "$A" . ;;
   attn_splits)
     A="$OUT/attn_splits"; mkdir -p "$A"
-    for p in 512 2048; do
-      timeout 250 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b --layers 1 --reps 12 --prompt $p \
-        --attn-blocks 528,264,132,66 --out "$A/prompt$p" > "$A/prompt$p.log" 2>&1
-      echo "== $p cached positions"; grep -E "^\| 0 \| attention|^## " "$A/prompt$p.md" | cut -c1-160
-    done
+    for p in 512 2048; do for m in qwen3-4b qwen3-8b; do   # one run per model: each writes its tables at its end
+      timeout 125 python3 benchmarks/cuda_layer_phases.py --models $m --layers 1 --reps 12 --prompt $p \
+        --attn-blocks 528,264,132,66 --out "$A/${m}_prompt$p" > "$A/${m}_prompt$p.log" 2>&1
+      echo "== $m, $p cached positions"; grep -E "^\| 0 \| attention|^## " "$A/${m}_prompt$p.md" | cut -c1-160
+    done; done
     tar czf "$OUT/attn_splits.tgz" -C "$A" . ;;
   host)
     timeout 300 python3 benchmarks/cuda_host.py --out "$R/cuda_host" > "$OUT/host.log" 2>&1

@@ -615,11 +615,13 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
     assert len(rows) == len(groups) and min(r[0] for r in rows) == 0.0
     for (first, ready, p90, end), prev in zip(rows, [(0, 0, 0, 0.0)] + rows):
         assert ready == prev[3] and first <= p90 <= end and end > ready
-    # the benchmark's ticketed sets tile the QKV and attention groups: a tail each, none elsewhere
-    tails = set_tails(st, groups, layer_sets(groups, fb.H + 2 * fb.HKV, nsplit, layer.LAYER_GROUPS))
-    for g, t in enumerate(tails):
-        assert (t is not None) == (g % layer.LAYER_GROUPS < 2), (g, t)
-        assert t is None or min(t) >= 0
+    # the benchmark's ticketed sets: the attention groups hold the launch's splits for every (row, kv
+    # head, head subgroup) as layer.py sizes them, the QKV groups whole heads of blocks; a tail each
+    group = fb.H // fb.HKV
+    splits = A.attn_partials(batch * L * fb.HKV, None, group, fb.gb, fb.D)[0]
+    assert all(n == splits * fb.HKV * (group // fb.gb) * batch * L for n in groups[1::layer.LAYER_GROUPS])
+    tails = set_tails(st, groups, layer_sets(groups, fb.H + 2 * fb.HKV, splits, layer.LAYER_GROUPS))
+    assert [t is not None for t in tails] == [g % layer.LAYER_GROUPS < 2 for g in range(len(groups))]
 
 
 @pytest.mark.parametrize("late_entry,late,per_sm", [(16, [0, 1], 2), (11, [0, 0], 3)])
@@ -633,15 +635,20 @@ def test_phase_stamps_second_wave_and_residency(late_entry, late, per_sm):
     assert residency(st) == (4, per_sm, 2)
 
 
-@pytest.mark.parametrize("sets,tails", [([2, 3], [(0.85, 1.5), (0.5, 0.5)]),   # group 0's sets end 1.0, 1.2 / 1.5, 3.0
+@pytest.mark.parametrize("sets,tails", [([2, 3], [(0.85, 1.5), (0.5, 0.5)]),   # group 0's sets end 1.2, 1.0 / 3.0, 1.5
                                         ([4, 0], [(1.5, 1.5), None]),
-                                        ([3, 3], [None, (0.5, 0.5)])])          # 4 blocks are no sets of 3
+                                        ([3, 3], ValueError)])                  # 4 blocks are no sets of 3
 def test_phase_set_tails(sets, tails):
-    """phases.set_tails: per ticketed set of consecutive blocks, its last end minus its second-last;
-    the median over the group's sets and the value of the set that ended last."""
+    """phases.set_tails: per ticketed set of consecutive blocks, its last end minus its second-last
+    (whatever their order in the set); the median over the group's sets and the value of the set
+    that ended last; sets that do not tile a group are refused."""
     from mlx_fastops.backends.cuda.phases import set_tails
-    st = np.array([(0, 1000, 0), (0, 1200, 0), (0, 1500, 0), (0, 3000, 0),   # group 0
-                   (0, 3100, 0), (0, 3300, 0), (0, 3800, 0)])                # group 1
+    st = np.array([(0, 1200, 0), (0, 1000, 0), (0, 3000, 0), (0, 1500, 0),   # group 0
+                   (0, 3800, 0), (0, 3100, 0), (0, 3300, 0)])                # group 1
+    if tails is ValueError:
+        with pytest.raises(ValueError, match="do not tile"):
+            set_tails(st, [4, 3], sets)
+        return
     got = set_tails(st, [4, 3], sets)
     assert [g if g is None else tuple(round(v, 9) for v in g) for g in got] == tails
 

@@ -45,10 +45,10 @@ def residency(stamps):
     return most(st), max(most(st[st[:, 2] == sm]) for sm in sms), len(sms)
 
 
-def layer_sets(groups, heads, nsplit, phases=5):
+def layer_sets(groups, heads, nsplit, phases):
     """Blocks per ticketed set of each group of a layer launch (`phases` groups a layer): the QKV
-    phase's are a head's blocks (`heads` q, k and v heads), the attention phase's a row's `nsplit`
-    splits; 0 for the other phases."""
+    phase's are a head's blocks (`heads` q, k and v heads), the attention phase's the `nsplit` splits
+    of one (row, kv head, head subgroup); 0 for the other phases."""
     return [{0: groups[i] // heads, 1: nsplit}.get(i % phases, 0) for i in range(len(groups))]
 
 
@@ -56,14 +56,18 @@ def set_tails(stamps, groups, sets):
     """Per group, with sets[i] its blocks per ticketed set (consecutive in launch order; 0: the group
     has none): (median over its sets, and for the set that ended last) of the set's last block end
     minus its second-last, in us: the work of the block that completed the set after the others had
-    taken their tickets, plus how much later than them it took its own. None for a group without sets."""
+    taken their tickets, plus how much later than them it took its own (an attention row short enough
+    for one split has no merge: its set's tail is then a split's time). None for a group without sets;
+    a set size that does not tile its group is an error."""
     st = np.asarray(stamps, dtype=np.int64)
     bounds = np.cumsum([0, *groups])
     out = []
     for a, b, n in zip(bounds[:-1], bounds[1:], sets):
-        if not n or n < 2 or (b - a) % n:
+        if n < 2:
             out.append(None)
             continue
+        if (b - a) % n:
+            raise ValueError(f"sets of {n} blocks do not tile a group of {b - a}")
         ends = np.sort(st[a:b, 1].reshape(-1, n), axis=1)
         tails = (ends[:, -1] - ends[:, -2]) / 1e3
         out.append((float(np.median(tails)), float(tails[np.argmax(ends[:, -1])])))
