@@ -49,15 +49,9 @@ PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 
 def median_rows(runs):
-    """Element-wise median over the runs' phase_rows."""
-    return [tuple(statistics.median(r[i][k] for r in runs) for k in range(4)) for i in range(len(runs[0]))]
-
-
-def median_pair(per_rep):
-    """Element-wise median of one group's set_tails over the reps (None where it has no sets)."""
-    if per_rep[0] is None:
-        return None
-    return [statistics.median(r[k] for r in per_rep) for k in range(2)]
+    """Element-wise median over the runs' per-group tuples (phase_rows, set_tails; None stays None)."""
+    return [None if row is None else tuple(statistics.median(r[i][k] for r in runs) for k in range(len(row)))
+            for i, row in enumerate(runs[0])]
 
 
 def phase_bytes(fb, batch, ctx):
@@ -116,7 +110,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             late = [max(c) for c in zip(*(late_blocks(st, groups) for st in stamped))]
             res = [max(c) for c in zip(*(residency(st) for st in stamped))]
             sets = layer_sets(groups, fb.H + 2 * fb.HKV, nsplit, len(PHASES))
-            tails = [median_pair(c) for c in zip(*(set_tails(st, groups, sets) for st in stamped))]
+            tails = median_rows([set_tails(st, groups, sets) for st in stamped])
             table = []
             for i, (first, ready, p90, end) in enumerate(rows):
                 t = end - ready
