@@ -25,6 +25,9 @@
 #                at 4 and 8 rows (batched decode) -> results/cuda_layer_phases_batch.*
 #   phases_l2    the large tables (Qwen3-8B/4B, 1 and 4 rows) with the L2 flushed before each launch and not,
 #                in turn, twice -> $OUT/phases_l2.tgz (whether one-layer tables read weights from the L2)
+#   trees DIRS.. the large tables at 1, 4 and 8 rows from this tree and from each DIRS (another commit's files, e.g.
+#                `git archive BRANCH | tar -x -C DIR`: an untracked folder travels, a worktree does not), in turn,
+#                RUNS times (2) -> $OUT/trees.tgz (an A/B of kernel changes by phase)
 #   attn_splits  the large one-row tables with 528 / 264 / 132 / 66 attention blocks (splits of the sequence)
 #                after 512 and 2048 tokens, with set tails -> $OUT/attn_splits.tgz (is the ~9 us attention phase at
 #                short context its splits' merge, and would fewer splits do)
@@ -137,6 +140,16 @@ case "$mode" in
     phases "$A" $((60 * (n + 1))) "${pdis[@]}"
     bench "$A/cuda_bench" $((170 * (n + 1))) "${bvar[@]}"
     tar czf "$OUT/ab.tgz" -C "$A" . ;;
+  trees)
+    : "${2:?usage: cuda_visit.sh trees DIR [DIR...]}"
+    A="$OUT/trees"; mkdir -p "$A"
+    for r in $(seq "${RUNS:-2}"); do for d in . "${@:2}"; do
+      n=$( [ "$d" = . ] && echo this || basename "$d")_$r
+      (cd "$d" && PYTHONPATH=$PWD:/root/mlx-site timeout 200 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b \
+        --layers 1 --reps 12 --batch 1,4,8 --out "$A/$n") > "$A/$n.log" 2>&1
+      echo "== $n"; grep -E "^\| qwen" "$A/$n.md" | cut -d'|' -f2,3,8
+    done; done
+    tar czf "$OUT/trees.tgz" -C "$A" . ;;
   prefill)
     timeout 540 python3 benchmarks/cuda_prefill.py --out "$R/cuda_prefill" > "$OUT/prefill.log" 2>&1
     tail -n 20 "$OUT/prefill.log"; cp "$R"/cuda_prefill.* "$OUT/" ;;

@@ -293,11 +293,12 @@ def test_fast_decode_path_tiny_model(name, monkeypatch):
     assert (np.asarray(got).argmax(-1)[clear] == o.argmax(-1)[clear]).all()
 
 
-@pytest.mark.parametrize("name,batch,L,mma", [("qwen3-tiny", 1, 1, ""), ("llama-tiny", 2, 1, ""),
-                                              ("qwen2-tiny", 1, 1, ""), ("qwen3-tiny", 2, 3, ""),
-                                              ("llama-tiny", 1, 1, "all"), ("qwen2-tiny", 2, 3, "all"),
-                                              ("llama-tiny", 1, 1, "sliced"), ("llama-tiny", 2, 2, "sliced_stream")])
-def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
+@pytest.mark.parametrize("name,batch,L,mma,dtype", [
+    ("qwen3-tiny", 1, 1, "", "bfloat16"), ("llama-tiny", 2, 1, "", "bfloat16"), ("qwen2-tiny", 1, 1, "", "bfloat16"),
+    ("qwen3-tiny", 2, 3, "", "bfloat16"), ("llama-tiny", 1, 1, "all", "bfloat16"), ("qwen2-tiny", 2, 3, "all", "bfloat16"),
+    ("llama-tiny", 2, 1, "all", "float16"), ("llama-tiny", 1, 1, "sliced", "bfloat16"),
+    ("llama-tiny", 2, 2, "sliced_stream", "bfloat16")])
+def test_one_launch_layer_matches_stock_block(name, batch, L, mma, dtype, monkeypatch):
     """One layer's launch (fb.core) against the decoder block it replaces, evaluated in float32
     (dequantised weights, float32 activations) on the same inputs over a KVCache holding the same
     P cached rows: the block's output and the k/v rows written in place into the cache buffers
@@ -306,12 +307,14 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     attention blocks of another number of query heads (all G, or 1 where the default takes all):
     bit for bit the default launch's. mma "all": every phase that gemv_mma.cu can take runs on it;
     "sliced": so too, with shared memory for one chunk of x at a time (o_proj: K in 2 slices);
-    "sliced_stream": and an 8-block wave (o_proj's 16 tiles 2 to a block)."""
+    "sliced_stream": and an 8-block wave (o_proj's 16 tiles 2 to a block). In float16 too (gemv_mma.cu's
+    E = 1024 and f16 mma)."""
     from mlx_lm.models.cache import KVCache
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    dt = getattr(mx, dtype)
     if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its rows
         monkeypatch.setattr(G, "MMA_RESIDUAL_MIN_ROWS", 1)
         monkeypatch.setattr(G, "MMA_QKV_MIN_ROWS", 1)
@@ -322,15 +325,15 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
             one_chunk = 4 * G._MMA_GROUP_ROW_BYTES * batch * L
             monkeypatch.setattr(G, "MMA_STAGE_MAX_BYTES", tpb * G._MMA_PARTIALS + one_chunk)
         kernels.clear_builders()
-    model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)
+    model = synthetic_model(name, bits=4, dtype=dt, seed=2)
     stock = model.model.layers[0]
     mlx_fastops.patch(model, disable=("compile",))
     try:
         fb = model.model.layers[0].fast_fn
         P, D, S = 270, fb.D, 512
-        k0 = mx.random.normal((batch, fb.HKV, S, D)).astype(mx.bfloat16)
-        v0 = mx.random.normal((batch, fb.HKV, S, D)).astype(mx.bfloat16)
-        x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)   # L new tokens each
+        k0 = mx.random.normal((batch, fb.HKV, S, D)).astype(dt)
+        v0 = mx.random.normal((batch, fb.HKV, S, D)).astype(dt)
+        x = mx.random.normal((batch, L, model.args.hidden_size)).astype(dt)   # L new tokens each
 
         def run():
             kc, vc = k0 + 0, v0 + 0
@@ -344,12 +347,12 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
         if mma:   # gate/up (sliced: o_proj) ran on tensor cores (the variants below would turn it off: other bits)
             M, gu, o = batch * L, fb.gate_up, fb.o
             if mma == "all":
-                assert G.mma_takes(mx.bfloat16, M, gu.in_features, gu.out_features, 4, 64, 2, False, True)
+                assert G.mma_takes(dt, M, gu.in_features, gu.out_features, 4, 64, 2, False, True)
                 qkv = fb.qkv   # with its head epilogue where there is no bias (llama-tiny; not qwen2-tiny)
-                assert G.mma_takes(mx.bfloat16, M, qkv.in_features, qkv.out_features, 4, 64, 3,
+                assert G.mma_takes(dt, M, qkv.in_features, qkv.out_features, 4, 64, 3,
                                    qkv.bias is not None, True, fb.D, not fb.grouped) == (name == "llama-tiny")
             else:
-                assert G.mma_takes(mx.bfloat16, M, o.in_features, o.out_features, 4, 64, 1, False, True)
+                assert G.mma_takes(dt, M, o.in_features, o.out_features, 4, 64, 1, False, True)
                 assert G.mma_plan(M, o.in_features, o.out_features, 1) == (4, tpb, 16 // tpb)
         else:
             with unstaged():
@@ -363,7 +366,7 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, monkeypatch):
     finally:
         mlx_fastops.unpatch(model)
         kernels.clear_builders()   # no kernel built with the forced tiles outlives the test
-    oracle = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=2)).model.layers[0]
+    oracle = fidelity.fp32_oracle(synthetic_model(name, bits=4, dtype=dt, seed=2)).model.layers[0]
     f32 = lambda a: a.astype(mx.float32)
     mask = "causal" if L > 1 else None
     ref, ref_cache = [], []
