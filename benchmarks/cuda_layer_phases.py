@@ -69,7 +69,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     import mlx_fastops
     from mlx_fastops import kernels, synthetic_model
     from mlx_fastops.backends.cuda import attention, cache, gemv, layer, source
-    from mlx_fastops.backends.cuda.phases import late_blocks, layer_sets, phase_rows, residency, set_tails
+    from mlx_fastops.backends.cuda.phases import late_blocks, phase_rows, residency, set_tails
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
@@ -90,7 +90,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             if (resident or default_resident) != gemv.RESIDENT_BLOCKS:
                 gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
                 kernels.clear_builders()
-            nsplit = attention.attn_partials(batch * fb.HKV, None, fb.H // fb.HKV, fb.gb, fb.D)[0]   # as layer.py
+            nsplit = layer.attention_splits(fb, batch)[0]
             bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
             # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
             # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's
@@ -109,7 +109,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             rows = median_rows([phase_rows(st, groups) for st in stamped])
             late = [max(c) for c in zip(*(late_blocks(st, groups) for st in stamped))]
             res = [max(c) for c in zip(*(residency(st) for st in stamped))]
-            sets = layer_sets(groups, fb.H + 2 * fb.HKV, nsplit, len(PHASES))
+            sets = layer.ticketed_sets(fb, groups, batch)
             tails = median_rows([set_tails(st, groups, sets) for st in stamped])
             table = []
             for i, (first, ready, p90, end) in enumerate(rows):

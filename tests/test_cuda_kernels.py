@@ -603,10 +603,9 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
     bounds = np.cumsum([0, *groups])
     ends = [st[a:b, 1] for a, b in zip(bounds[:-1], bounds[1:])]
     fb = fbs[0]
-    # the attention groups hold the launch's splits for every (row, kv head, head subgroup), as
-    # layer.py sizes them (also the benchmark's ticketed sets, below)
+    # the attention groups hold the launch's splits for every (row, kv head, head subgroup)
     group = fb.H // fb.HKV
-    splits = A.attn_partials(batch * L * fb.HKV, None, group, fb.gb, fb.D)[0]
+    splits = layer.attention_splits(fb, batch * L)[0]
     assert all(n == splits * fb.HKV * (group // fb.gb) * batch * L for n in groups[1::layer.LAYER_GROUPS])
     for g in range(1, len(ends)):
         waited = np.ones(len(ends[g]), bool)
@@ -616,14 +615,14 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
             chunk = np.maximum(-(-n // splits), A.ATTN_MINCH)
             waited = i % splits < -(-n // chunk)
         assert ends[g][waited].min() > ends[g - 1].max(), f"group {g} ended before group {g - 1}"
-    from mlx_fastops.backends.cuda.phases import layer_sets, phase_rows, set_tails
+    from mlx_fastops.backends.cuda.phases import phase_rows, set_tails
     rows = phase_rows(st, groups)
     # blocks of several groups enter within one tick of the first: the earliest is any group's
     assert len(rows) == len(groups) and min(r[0] for r in rows) == 0.0
     for (first, ready, p90, end), prev in zip(rows, [(0, 0, 0, 0.0)] + rows):
         assert ready == prev[3] and first <= p90 <= end and end > ready
     # the benchmark's ticketed sets (a row's splits; a head's QKV blocks): a tail each, none elsewhere
-    tails = set_tails(st, groups, layer_sets(groups, fb.H + 2 * fb.HKV, splits, layer.LAYER_GROUPS))
+    tails = set_tails(st, groups, layer.ticketed_sets(fb, groups, batch * L))
     assert [t is not None for t in tails] == [g % layer.LAYER_GROUPS < 2 for g in range(len(groups))]
 
 

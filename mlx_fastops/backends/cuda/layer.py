@@ -31,6 +31,7 @@ from .attention import attn_defines, attn_partials
 from .gemv import (gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, mma_defines, mma_plan,
                    mma_stage_bytes, mma_takes, stream_blocks, x_stage, x_stage_bytes)
 from .head import cache_inputs
+from .phases import layer_sets
 from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
@@ -227,6 +228,18 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
                        header=header, source=body, ensure_row_contiguous=False, shared_memory=smem)
 
 
+def attention_splits(fb, M):
+    """(splits of the sequence, partials' shapes) of the layer's attention phase at M rows.
+    Compiled into the launch, so they do not follow the buffer's length: a batch cache's buffer
+    grows by 256 slots, and a server would build a launch per length class mid-service."""
+    return attn_partials(M * fb.HKV, None, fb.H // fb.HKV, fb.gb, fb.D)
+
+
+def ticketed_sets(fb, groups, M):
+    """phases.layer_sets of a launch of fb's layers at M rows (groups: its blocks per group)."""
+    return layer_sets(groups, fb.H + 2 * fb.HKV, attention_splits(fb, M)[0], LAYER_GROUPS)
+
+
 def layers_launch(blocks, x, off, bufs, stamps=False):
     """Consecutive decoder layers (block.FastBlock objects with one launch_key) in one launch:
     x [B, L, K] -> (output of the last, the attention scratch output: the new last reader of every
@@ -239,9 +252,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     B, L, K = x.shape
     M = B * L
     qkv, gu = fb.qkv, fb.gate_up
-    # nsplit is compiled into the launch, so it does not follow the buffer's length: a batch cache's
-    # buffer grows by 256 slots, and a server would build a launch per length class mid-service
-    nsplit, partials = attn_partials(M * fb.HKV, None, fb.H // fb.HKV, fb.gb, fb.D)
+    nsplit, partials = attention_splits(fb, M)
     shapes = tuple((w.bits, w.group_size, w.out_features, w.in_features) for w in (qkv, fb.o, gu, fb.down))
     head = fb.head + (("L", L),) + kv_format(bufs[0], fb.D)
     kern, groups, names = layer_build(x.dtype, M, shapes, fb.in_norm[1], fb.post_norm[1], qkv.bias is not None,
