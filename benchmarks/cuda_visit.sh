@@ -147,7 +147,10 @@ case "$mode" in
       n=$( [ "$d" = . ] && echo this || basename "$d")_$r
       (cd "$d" && PYTHONPATH=$PWD:/root/mlx-site timeout 200 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b \
         --layers 1 --reps 12 --batch 1,4,8 --out "$A/$n") > "$A/$n.log" 2>&1
-      echo "== $n"; grep -E "^\| qwen" "$A/$n.md" | cut -d'|' -f2,3,8
+      echo "== $n"   # per table: model, rows, then each phase's us and the layer's
+      awk 'function out() { if (t != "") print t; t = "" }
+        /^## Summary/{out(); exit} /^## /{out(); n = split($0, h, /[ ,]+/); t = h[2] " rows " h[8] ": layer " h[n - 1] ","}
+        /^[|] 0 [|]/{t = t " " $3 " " $10}' FS=' *[|] *' "$A/$n.md"
     done; done
     tar czf "$OUT/trees.tgz" -C "$A" . ;;
   prefill)
