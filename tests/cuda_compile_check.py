@@ -23,6 +23,8 @@ import time
 
 import mlx.core as mx
 
+# the checkout this file is in, not an installed mlx_fastops (an editable install of another one)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mlx_fastops.backends.cuda import attention as A
 from mlx_fastops.backends.cuda import gemv as G
 from mlx_fastops.backends.cuda import head as HD
