@@ -10,15 +10,15 @@
 // row), and the instructions per weight at one row are about half of gemv.cu's.
 //
 // A tile is 16 weight rows (EPI 2: 8 gate rows and the 8 matching up rows; TILE8, EPI 1: 8 rows, the
-// mma's rows 8-15 idle, for twice the tiles of a short phase); lane l holds rows l/4 and l/4 + 8. A
+// mma's rows 8-15 free (below), for twice the tiles of a short phase); lane l holds rows l/4 and l/4 + 8. A
 // lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a row read the
-// group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles
-// i, i + 4 of a word, even k-slots) or E + 8q (nibbles i + 1, i + 5 after a 1-bit shift, odd
-// k-slots) under the exponent of E (128 bf16, 1024 f16: exact). The order of k inside an mma is
-// free as long as A and B agree, so x is staged in shared memory in the same order (odd slots as
-// x / 8: exact but for f16 values below 2^-11, which round as subnormals), with each group and
-// row's sig = E * sum_even x + E/8 * sum_odd x and sum x in fp32:
-//   sum_{k in g} x q = D - sig,   acc += s * (D - sig) + b * sum x
+// group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles i, i + 4 of a
+// word, shifted down 0 or 4 bits: each k-slot of the mma) under the exponent of E (128 bf16, 1024
+// f16: exact). The order of k inside an mma is free as long as A and B agree, so x is staged in
+// shared memory in the same order (a permutation of its values), and
+//   sum_{k in g} x q = D - E * sum_{k in g} x,   acc += s * (D - E sum x) + b * sum x
+// TILE8's idle mma rows 8-15 hold E (the A word MAGIC): their D is E * sum x of each activation row,
+// so those phases stage x with no arithmetic; the others stage each group and row's sum x in fp32.
 // The next chunk's weights, scales and biases load while the current one is used.
 //
 // K runs in slices of KS groups (all of K where the staged x fits: gemv.py's mma_plan), each
@@ -106,12 +106,12 @@
 #endif
 
   // ---- shared memory: s_x [KS][2][M][4] uint4 (a slice's x: mma pairs (2h, 2h + 1) of group g,
-  // row m, lane t), s_ss [KS][M] (sig, sum x), s_acc [TPB][NW][32] (the warps' partials; one slice:
-  // one set) ----
+  // row m, lane t), s_sx [KS][M] (sum x; not written by TILE8), s_acc [TPB][NW][32] (the warps'
+  // partials; one slice: one set) ----
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
   uint4* const s_x = reinterpret_cast<uint4*>(s_stage);
-  float2* const s_ss = reinterpret_cast<float2*>(s_x + KS * 8 * M);
-  float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_ss + KS * M);
+  float* const s_sx = reinterpret_cast<float*>(s_x + KS * 8 * M);
+  float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_sx + KS * M);
 #if HAS_NORM
   const int KN = K;
 #include "row_norm.cuh"
@@ -174,31 +174,24 @@
       }
 #endif
       uint32_t frag[8];
-      float se = 0.f, so = 0.f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {   // mma j: the lane's word h = j / 2 (k 8h..8h+7), pairs p = j % 2
         const uint32_t* q = wd + 4 * (j >> 1);
         const int p = j & 1;
-        alignas(4) T ev[2], od[2];
-        *reinterpret_cast<uint32_t*>(ev) = __byte_perm(q[p], q[p + 2], 0x5410);   // k 2p, 2p + 4
-        *reinterpret_cast<uint32_t*>(od) = __byte_perm(q[p], q[p + 2], 0x7632);   // k 2p + 1, 2p + 5
-        se += static_cast<float>(ev[0]) + static_cast<float>(ev[1]);
-        so += static_cast<float>(od[0]) + static_cast<float>(od[1]);
-        frag[2 * j] = *reinterpret_cast<const uint32_t*>(ev);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) od[e] = static_cast<T>(static_cast<float>(od[e]) * 0.125f);
-        frag[2 * j + 1] = *reinterpret_cast<const uint32_t*>(od);
+        frag[2 * j] = __byte_perm(q[p], q[p + 2], 0x5410);       // k 2p, 2p + 4
+        frag[2 * j + 1] = __byte_perm(q[p], q[p + 2], 0x7632);   // k 2p + 1, 2p + 5
       }
-      // the group's sums over its 4 lanes (a quad: tt = lane & 3)
+      float sx = 0.f;   // the group's sum over its 4 lanes (a quad: tt = lane & 3)
+      if (!TILE8) {
 #pragma unroll
-      for (int o = 1; o < 4; o <<= 1) {
-        se += __shfl_xor_sync(0xffffffffu, se, o);
-        so += __shfl_xor_sync(0xffffffffu, so, o);
+        for (int i = 0; i < 8; ++i) sx += tval(wd[i], 0) + tval(wd[i], 1);
+        sx += __shfl_xor_sync(0xffffffffu, sx, 1);
+        sx += __shfl_xor_sync(0xffffffffu, sx, 2);
       }
       if (c < ng * M * 4) {
         s_x[((gl * 2 + 0) * M + m) * 4 + tt] = make_uint4(frag[0], frag[1], frag[2], frag[3]);
         s_x[((gl * 2 + 1) * M + m) * 4 + tt] = make_uint4(frag[4], frag[5], frag[6], frag[7]);
-        if (tt == 0) s_ss[gl * M + m] = make_float2(E * se + (E / 8) * so, se + so);
+        if (!TILE8 && tt == 0) s_sx[gl * M + m] = sx;
       }
     }
     __syncthreads();
@@ -222,24 +215,29 @@
           for (int h = 0; h < 2; ++h) {
             uint4 xf = make_uint4(0u, 0u, 0u, 0u);
             if (g8 < M) xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
+            // TILE8: rows 8-15 all E (lop of 0 is MAGIC), their D E * sum x
             const uint32_t wa = h ? k.a[u].y : k.a[u].x, wb = TILE8 ? 0u : (h ? k.b[u].y : k.b[u].x);
 #pragma unroll
             for (int p = 0; p < 2; ++p) {
               const uint32_t a[4] = {lop(wa >> (8 * p), 0x000F000Fu), lop(wb >> (8 * p), 0x000F000Fu),
-                                     lop(wa >> (8 * p + 1), 0x00780078u), lop(wb >> (8 * p + 1), 0x00780078u)};
+                                     lop(wa >> (8 * p + 4), 0x000F000Fu), lop(wb >> (8 * p + 4), 0x000F000Fu)};
               mma(d, a, p ? xf.z : xf.x, p ? xf.w : xf.y);
             }
           }
           const uint32_t s0 = (u < 2) ? k.s[0].x : k.s[0].y, b0 = (u < 2) ? k.s[1].x : k.s[1].y;
           const float sv0 = tval(s0, u & 1), bv0 = tval(b0, u & 1);
-          const float2 e0 = s_ss[gl * M + m0], e1 = s_ss[gl * M + m1];
-          acc[0] += sv0 * (d[0] - e0.x) + bv0 * e0.y;
-          if (M > 1) acc[1] += sv0 * (d[1] - e1.x) + bv0 * e1.y;
-          if (TILE8) continue;   // the mma's rows 8-15 held no weights
+          if (TILE8) {   // E * sum x of rows m0, m1 from the mma's rows 8-15
+            acc[0] += sv0 * (d[0] - d[2]) + bv0 * (d[2] * (1.f / E));
+            if (M > 1) acc[1] += sv0 * (d[1] - d[3]) + bv0 * (d[3] * (1.f / E));
+            continue;
+          }
+          const float x0 = s_sx[gl * M + m0], x1 = s_sx[gl * M + m1];
+          acc[0] += sv0 * (d[0] - E * x0) + bv0 * x0;
+          if (M > 1) acc[1] += sv0 * (d[1] - E * x1) + bv0 * x1;
           const uint32_t s1 = (u < 2) ? k.s[2].x : k.s[2].y, b1 = (u < 2) ? k.s[3].x : k.s[3].y;
           const float sv1 = tval(s1, u & 1), bv1 = tval(b1, u & 1);
-          acc[2] += sv1 * (d[2] - e0.x) + bv1 * e0.y;
-          if (M > 1) acc[3] += sv1 * (d[3] - e1.x) + bv1 * e1.y;
+          acc[2] += sv1 * (d[2] - E * x0) + bv1 * x0;
+          if (M > 1) acc[3] += sv1 * (d[3] - E * x1) + bv1 * x1;
         }
       };
       for (int c = cb; c < ce; c += 2) {
