@@ -10,14 +10,14 @@
 // row), and the instructions per weight at one row are about half of gemv.cu's.
 //
 // A tile is 16 weight rows (EPI 2: 8 gate rows and the 8 matching up rows; TILE8, EPI 1: 8 rows, the
-// mma's rows 8-15 free (below), for twice the tiles of a short phase); lane l holds rows l/4 and l/4 + 8. A
-// lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a row read the
-// group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles i, i + 4 of a
-// word, shifted down 0 or 4 bits: each k-slot of the mma) under the exponent of E (128 bf16, 1024
-// f16: exact). The order of k inside an mma is free as long as A and B agree, so x is staged in
-// shared memory in the same order (a permutation of its values), and
+// mma's rows 8-15 left to sums (below), for twice the tiles of a short phase); lane l holds rows l/4
+// and l/4 + 8. A lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a row
+// read the group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles i, i + 4
+// of a word, i = 0..3, shifted down 4i bits: alike in every k-slot) under the exponent of E (128
+// bf16, 1024 f16: exact). The order of k inside an mma is free as long as A and B agree, so x is
+// staged in shared memory in the same order (a permutation of its values), and
 //   sum_{k in g} x q = D - E * sum_{k in g} x,   acc += s * (D - E sum x) + b * sum x
-// TILE8's idle mma rows 8-15 hold E (the A word MAGIC): their D is E * sum x of each activation row,
+// TILE8's mma rows 8-15 hold E (the A word MAGIC): their D is E * sum x of each activation row,
 // so those phases stage x with no arithmetic; the others stage each group and row's sum x in fp32.
 // The next chunk's weights, scales and biases load while the current one is used.
 //
@@ -144,7 +144,7 @@
     *reinterpret_cast<uint32_t*>(h) = v;
     return static_cast<float>(h[hi]);
   };
-  // lanes past the M rows compute on row M - 1's sums and are not stored
+  // lanes past the M rows compute on row M - 1's sums (TILE8: on zero columns) and are not stored
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
 
   for (int s = 0; s < NS; ++s) {

@@ -153,7 +153,7 @@ def mma_plan(M, K, N, epi):
 
 def mma_stage_bytes(M, plan):
     """Dynamic shared memory of gemv_mma.cu: a slice of x in the mma's k order (2 bytes a value),
-    each of its groups and rows' two fp32 sums, and the warps' partials."""
+    each of its groups and rows' fp32 sum x (not written by TILE8 phases), and the warps' partials."""
     ks, tpb, _ = plan
     return ks * M * _MMA_GROUP_ROW_BYTES + tpb * _MMA_PARTIALS
 
