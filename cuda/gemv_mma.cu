@@ -144,6 +144,37 @@
     *reinterpret_cast<uint32_t*>(h) = v;
     return static_cast<float>(h[hi]);
   };
+#if HAS_NORM
+  auto pack2 = [](float lo, float hi) {   // (T(lo), T(hi)) in one register
+#ifdef __CUDA_ARCH__
+    uint32_t d;
+#if MMA_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+    return d;
+#else
+    alignas(4) T h[2] = {static_cast<T>(lo), static_cast<T>(hi)};
+    return *reinterpret_cast<const uint32_t*>(h);
+#endif
+  };
+  // T(a * b) of both halves: the product of two T values is exact in fp32, so this rounds as
+  // T(float(a) * float(b)) does
+  auto mul2 = [](uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+    uint32_t d;
+#if MMA_BF16
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#endif
+    return d;
+#else
+    return ::cuemu::fma2<T>(a, b, 0x80008000u);   // + -0: the product itself, signed zeros too
+#endif
+  };
+#endif
   // lanes past the M rows compute on row M - 1's sums (TILE8: on zero columns) and are not stored
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
 
@@ -161,17 +192,8 @@
       const uint4 na = np[0], nb = np[1];
       const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        alignas(4) T v[2], n2[2];
-        *reinterpret_cast<uint32_t*>(v) = wd[i];
-        *reinterpret_cast<uint32_t*>(n2) = nd[i];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const T nv = static_cast<T>(static_cast<float>(v[e]) * s_inv[m]);
-          v[e] = static_cast<T>(static_cast<float>(n2[e]) * static_cast<float>(nv));
-        }
-        wd[i] = *reinterpret_cast<const uint32_t*>(v);
-      }
+      for (int i = 0; i < 8; ++i)   // T(T(x s_inv) nw), a pair at a time
+        wd[i] = mul2(pack2(tval(wd[i], 0) * s_inv[m], tval(wd[i], 1) * s_inv[m]), nd[i]);
 #endif
       uint32_t frag[8];
 #pragma unroll
