@@ -17,8 +17,10 @@
 // bf16, 1024 f16: exact). The order of k inside an mma is free as long as A and B agree, so x is
 // staged in shared memory in the same order (a permutation of its values), and
 //   sum_{k in g} x q = D - E * sum_{k in g} x,   acc += s * (D - E sum x) + b * sum x
-// TILE8's mma rows 8-15 hold E (the A word MAGIC): their D is E * sum x of each activation row,
-// so those phases stage x with no arithmetic; the others stage each group and row's sum x in fp32.
+// TILE8's mma rows 8-15 hold E (the A word MAGIC): their D is E * sum x of each activation row. So
+// a TILE8 phase stages nothing: each lane loads its 8 values of x (row l/4) for a group's half
+// straight from global memory and permutes them into the B registers; the others stage x and each
+// group and row's sum x in fp32.
 // The next chunk's weights, scales and biases load while the current one is used.
 //
 // K runs in slices of KS groups (all of K where the staged x fits: gemv.py's mma_plan), each
@@ -106,12 +108,13 @@
 #endif
 
   // ---- shared memory: s_x [KS][2][M][4] uint4 (a slice's x: mma pairs (2h, 2h + 1) of group g,
-  // row m, lane t), s_sx [KS][M] (sum x; not written by TILE8), s_acc [TPB][NW][32] (the warps'
+  // row m, lane t), s_sx [KS][M] (sum x), both absent in TILE8, s_acc [TPB][NW][32] (the warps'
   // partials; one slice: one set) ----
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
+  constexpr int XS = TILE8 ? 0 : KS;   // groups of x staged
   uint4* const s_x = reinterpret_cast<uint4*>(s_stage);
-  float* const s_sx = reinterpret_cast<float*>(s_x + KS * 8 * M);
-  float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_sx + KS * M);
+  float* const s_sx = reinterpret_cast<float*>(s_x + XS * 8 * M);
+  float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_sx + XS * M);
 #if HAS_NORM
   const int KN = K;
 #include "row_norm.cuh"
@@ -181,7 +184,7 @@
   for (int s = 0; s < NS; ++s) {
     const int g0 = s * KS, ng = min(KS, NG - g0);
     if (s > 0) __syncthreads();   // every warp is done with the previous slice's x
-    for (int c0 = 0; c0 < ng * M * 4; c0 += NW * 32) {   // whole warps per step: the sums' shuffles
+    for (int c0 = 0; c0 < (TILE8 ? 0 : ng * M * 4); c0 += NW * 32) {   // whole warps per step: the sums' shuffles
       const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
       const int gi = g0 + gl;
       const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
@@ -216,7 +219,7 @@
         if (!TILE8 && tt == 0) s_sx[gl * M + m] = sx;
       }
     }
-    __syncthreads();
+    if (!TILE8) __syncthreads();
 
     for (int i = 0; i < ntiles; ++i) {   // this block's tiles over the slice
       const int tile = BLOCK_X + i * STREAM;
@@ -236,7 +239,13 @@
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             uint4 xf = make_uint4(0u, 0u, 0u, 0u);
-            if (g8 < M) xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
+            if (g8 < M && TILE8) {   // the staging loop's permutation of x's words at k = 64g + 16t + 8h
+              const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)g8 * K + g * 64 + t * 16 + 8 * h);
+              xf = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                              __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+            } else if (g8 < M) {
+              xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
+            }
             // TILE8: rows 8-15 all E (lop of 0 is MAGIC), their D E * sum x
             const uint32_t wa = h ? k.a[u].y : k.a[u].x, wb = TILE8 ? 0u : (h ? k.b[u].y : k.b[u].x);
 #pragma unroll
