@@ -23,7 +23,7 @@
 // group and row's sum x in fp32.
 // The next chunk's weights, scales and biases load while the current one is used.
 //
-// K runs in slices of KS groups (all of K where the staged x fits: gemv.py's mma_plan), each
+// K runs in slices of KS groups (all of K in TILE8 and where the staged x fits: gemv.py's mma_plan), each
 // staged once per block: for each slice, the block runs its tiles (block b: tiles b, b + STREAM,
 // ...; STREAM 0: tile b alone), its NW warps splitting the slice in chunks of 4 groups (128 bytes
 // of a row). A warp adds its partial of a tile to its slot in shared memory (slices in order);
@@ -55,6 +55,7 @@
   constexpr float E = 1024.f;
 #endif
   static_assert(M >= 1 && M <= 8, "gemv_mma.cu: the mma's n is 8 activation rows");
+  static_assert(!(TILE8 && HAS_NORM), "gemv_mma.cu: the input norm is applied as x is staged");
   constexpr int TR = EPI == 2 || TILE8 ? 8 : 16;   // output rows per tile
   constexpr int SC = KS / 4, CPW = (SC + NW - 1) / NW;   // chunks of a slice; of a warp in a slice
   const int N = w_shape[0], KW = w_shape[1], K = KW * 8, NG = K / 64, NC = NG / 4, NS = (NG + KS - 1) / KS;
@@ -178,48 +179,46 @@
 #endif
   };
 #endif
+  // B registers of an mma pair (2h, 2h + 1) from x's 4 words at k = 8h..8h+7 of a lane's 16 (k 2p,
+  // 2p + 4 | 2p + 1, 2p + 5 for p = 0, 1): the k order of the A side's nibbles
+  auto bfrag = [](uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    return make_uint4(__byte_perm(w0, w2, 0x5410), __byte_perm(w0, w2, 0x7632),
+                      __byte_perm(w1, w3, 0x5410), __byte_perm(w1, w3, 0x7632));
+  };
   // lanes past the M rows compute on row M - 1's sums (TILE8: on zero columns) and are not stored
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
 
   for (int s = 0; s < NS; ++s) {
     const int g0 = s * KS, ng = min(KS, NG - g0);
     if (s > 0) __syncthreads();   // every warp is done with the previous slice's x
-    for (int c0 = 0; c0 < (TILE8 ? 0 : ng * M * 4); c0 += NW * 32) {   // whole warps per step: the sums' shuffles
-      const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
-      const int gi = g0 + gl;
-      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
-      uint4 xa = xp[0], xb = xp[1];
-      uint32_t wd[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    if (!TILE8) {   // (TILE8 loads its x in the compute loop)
+      for (int c0 = 0; c0 < ng * M * 4; c0 += NW * 32) {   // whole warps per step: the sums' shuffles
+        const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
+        const int gi = g0 + gl;
+        const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
+        uint4 xa = xp[0], xb = xp[1];
+        uint32_t wd[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #if HAS_NORM
-      const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
-      const uint4 na = np[0], nb = np[1];
-      const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
+        const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
+        const uint4 na = np[0], nb = np[1];
+        const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
 #pragma unroll
-      for (int i = 0; i < 8; ++i)   // T(T(x s_inv) nw), a pair at a time
-        wd[i] = mul2(pack2(tval(wd[i], 0) * s_inv[m], tval(wd[i], 1) * s_inv[m]), nd[i]);
+        for (int i = 0; i < 8; ++i)   // T(T(x s_inv) nw), a pair at a time
+          wd[i] = mul2(pack2(tval(wd[i], 0) * s_inv[m], tval(wd[i], 1) * s_inv[m]), nd[i]);
 #endif
-      uint32_t frag[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {   // mma j: the lane's word h = j / 2 (k 8h..8h+7), pairs p = j % 2
-        const uint32_t* q = wd + 4 * (j >> 1);
-        const int p = j & 1;
-        frag[2 * j] = __byte_perm(q[p], q[p + 2], 0x5410);       // k 2p, 2p + 4
-        frag[2 * j + 1] = __byte_perm(q[p], q[p + 2], 0x7632);   // k 2p + 1, 2p + 5
-      }
-      float sx = 0.f;   // the group's sum over its 4 lanes (a quad: tt = lane & 3)
-      if (!TILE8) {
+        float sx = 0.f;   // the group's sum over its 4 lanes (a quad: tt = lane & 3)
 #pragma unroll
         for (int i = 0; i < 8; ++i) sx += tval(wd[i], 0) + tval(wd[i], 1);
         sx += __shfl_xor_sync(0xffffffffu, sx, 1);
         sx += __shfl_xor_sync(0xffffffffu, sx, 2);
+        if (c < ng * M * 4) {
+          s_x[((gl * 2 + 0) * M + m) * 4 + tt] = bfrag(wd[0], wd[1], wd[2], wd[3]);
+          s_x[((gl * 2 + 1) * M + m) * 4 + tt] = bfrag(wd[4], wd[5], wd[6], wd[7]);
+          if (tt == 0) s_sx[gl * M + m] = sx;
+        }
       }
-      if (c < ng * M * 4) {
-        s_x[((gl * 2 + 0) * M + m) * 4 + tt] = make_uint4(frag[0], frag[1], frag[2], frag[3]);
-        s_x[((gl * 2 + 1) * M + m) * 4 + tt] = make_uint4(frag[4], frag[5], frag[6], frag[7]);
-        if (!TILE8 && tt == 0) s_sx[gl * M + m] = sx;
-      }
+      __syncthreads();
     }
-    if (!TILE8) __syncthreads();
 
     for (int i = 0; i < ntiles; ++i) {   // this block's tiles over the slice
       const int tile = BLOCK_X + i * STREAM;
@@ -239,10 +238,9 @@
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             uint4 xf = make_uint4(0u, 0u, 0u, 0u);
-            if (g8 < M && TILE8) {   // the staging loop's permutation of x's words at k = 64g + 16t + 8h
+            if (g8 < M && TILE8) {   // x's words at k = 64g + 16t + 8h of row g8, as the staging permutes them
               const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)g8 * K + g * 64 + t * 16 + 8 * h);
-              xf = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
-                              __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+              xf = bfrag(v.x, v.y, v.z, v.w);
             } else if (g8 < M) {
               xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
             }

@@ -116,8 +116,8 @@ MMA_QKV_MIN_ROWS = 2
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
 _MMA_GROUP_ROW_BYTES = 128 + 4   # staged x of a group of 64 and a row: T values, then sum x in fp32
-# gemv_mma.cu always stages its x (in K slices where all of it does not fit), within its own bound:
-# the 32 KB of gemv.cu's STAGE_MAX_BYTES.
+# gemv_mma.cu stages its x but in TILE8 phases (in K slices where all of it does not fit), within its
+# own bound: the 32 KB of gemv.cu's STAGE_MAX_BYTES.
 MMA_STAGE_MAX_BYTES = 32 * 1024
 
 
