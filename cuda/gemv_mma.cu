@@ -10,18 +10,20 @@
 // row), and the instructions per weight at one row are about half of gemv.cu's.
 //
 // A tile is 16 weight rows (EPI 2: 8 gate rows and the 8 matching up rows; TILE8, EPI 1: 8 rows, the
-// mma's rows 8-15 idle, for twice the tiles of a short phase); lane l holds rows l/4 and l/4 + 8. A
-// lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a row read the
-// group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles
-// i, i + 4 of a word, even k-slots) or E + 8q (nibbles i + 1, i + 5 after a 1-bit shift, odd
-// k-slots) under the exponent of E (128 bf16, 1024 f16: exact). The order of k inside an mma is
-// free as long as A and B agree, so x is staged in shared memory in the same order (odd slots as
-// x / 8: exact but for f16 values below 2^-11, which round as subnormals), with each group and
-// row's sig = E * sum_even x + E/8 * sum_odd x and sum x in fp32:
-//   sum_{k in g} x q = D - sig,   acc += s * (D - sig) + b * sum x
+// mma's rows 8-15 left to sums (below), for twice the tiles of a short phase); lane l holds rows l/4
+// and l/4 + 8. A lane loads 8 bytes (16 nibbles) of each of its rows per group: the 4 lanes of a row
+// read the group's 32 bytes. One mask-and-or per nibble pair makes T values E + q (nibbles i, i + 4
+// of a word, i = 0..3, shifted down 4i bits: alike in every k-slot) under the exponent of E (128
+// bf16, 1024 f16: exact). The order of k inside an mma is free as long as A and B agree, so x is
+// staged in shared memory in the same order (a permutation of its values), and
+//   sum_{k in g} x q = D - E * sum_{k in g} x,   acc += s * (D - E sum x) + b * sum x
+// TILE8's mma rows 8-15 hold E (the A word MAGIC): their D is E * sum x of each activation row. So
+// a TILE8 phase stages nothing: each lane loads its 8 values of x (row l/4) for a group's half
+// straight from global memory and permutes them into the B registers; the others stage x and each
+// group and row's sum x in fp32.
 // The next chunk's weights, scales and biases load while the current one is used.
 //
-// K runs in slices of KS groups (all of K where the staged x fits: gemv.py's mma_plan), each
+// K runs in slices of KS groups (all of K in TILE8 and where the staged x fits: gemv.py's mma_plan), each
 // staged once per block: for each slice, the block runs its tiles (block b: tiles b, b + STREAM,
 // ...; STREAM 0: tile b alone), its NW warps splitting the slice in chunks of 4 groups (128 bytes
 // of a row). A warp adds its partial of a tile to its slot in shared memory (slices in order);
@@ -53,6 +55,7 @@
   constexpr float E = 1024.f;
 #endif
   static_assert(M >= 1 && M <= 8, "gemv_mma.cu: the mma's n is 8 activation rows");
+  static_assert(!(TILE8 && HAS_NORM), "gemv_mma.cu: the input norm is applied as x is staged");
   constexpr int TR = EPI == 2 || TILE8 ? 8 : 16;   // output rows per tile
   constexpr int SC = KS / 4, CPW = (SC + NW - 1) / NW;   // chunks of a slice; of a warp in a slice
   const int N = w_shape[0], KW = w_shape[1], K = KW * 8, NG = K / 64, NC = NG / 4, NS = (NG + KS - 1) / KS;
@@ -106,12 +109,13 @@
 #endif
 
   // ---- shared memory: s_x [KS][2][M][4] uint4 (a slice's x: mma pairs (2h, 2h + 1) of group g,
-  // row m, lane t), s_ss [KS][M] (sig, sum x), s_acc [TPB][NW][32] (the warps' partials; one slice:
-  // one set) ----
+  // row m, lane t), s_sx [KS][M] (sum x), both absent in TILE8, s_acc [TPB][NW][32] (the warps'
+  // partials; one slice: one set) ----
   extern __shared__ float4 s_stage[];   // dynamic: one buffer whichever phase a block runs
+  constexpr int XS = TILE8 ? 0 : KS;   // groups of x staged
   uint4* const s_x = reinterpret_cast<uint4*>(s_stage);
-  float2* const s_ss = reinterpret_cast<float2*>(s_x + KS * 8 * M);
-  float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_ss + KS * M);
+  float* const s_sx = reinterpret_cast<float*>(s_x + XS * 8 * M);
+  float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_sx + XS * M);
 #if HAS_NORM
   const int KN = K;
 #include "row_norm.cuh"
@@ -144,64 +148,77 @@
     *reinterpret_cast<uint32_t*>(h) = v;
     return static_cast<float>(h[hi]);
   };
-  // lanes past the M rows compute on row M - 1's sums and are not stored
+#if HAS_NORM
+  auto pack2 = [](float lo, float hi) {   // (T(lo), T(hi)) in one register
+#ifdef __CUDA_ARCH__
+    uint32_t d;
+#if MMA_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+    return d;
+#else
+    alignas(4) T h[2] = {static_cast<T>(lo), static_cast<T>(hi)};
+    return *reinterpret_cast<const uint32_t*>(h);
+#endif
+  };
+  // T(a * b) of both halves: the product of two T values is exact in fp32, so this rounds as
+  // T(float(a) * float(b)) does
+  auto mul2 = [](uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+    uint32_t d;
+#if MMA_BF16
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#endif
+    return d;
+#else
+    return ::cuemu::fma2<T>(a, b, 0x80008000u);   // + -0: the product itself, signed zeros too
+#endif
+  };
+#endif
+  // B registers of an mma pair (2h, 2h + 1) from x's 4 words at k = 8h..8h+7 of a lane's 16 (k 2p,
+  // 2p + 4 | 2p + 1, 2p + 5 for p = 0, 1): the k order of the A side's nibbles
+  auto bfrag = [](uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    return make_uint4(__byte_perm(w0, w2, 0x5410), __byte_perm(w0, w2, 0x7632),
+                      __byte_perm(w1, w3, 0x5410), __byte_perm(w1, w3, 0x7632));
+  };
+  // lanes past the M rows compute on row M - 1's sums (TILE8: on zero columns) and are not stored
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
 
   for (int s = 0; s < NS; ++s) {
     const int g0 = s * KS, ng = min(KS, NG - g0);
     if (s > 0) __syncthreads();   // every warp is done with the previous slice's x
-    for (int c0 = 0; c0 < ng * M * 4; c0 += NW * 32) {   // whole warps per step: the sums' shuffles
-      const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
-      const int gi = g0 + gl;
-      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
-      uint4 xa = xp[0], xb = xp[1];
-      uint32_t wd[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    if (!TILE8) {   // (TILE8 loads its x in the compute loop)
+      for (int c0 = 0; c0 < ng * M * 4; c0 += NW * 32) {   // whole warps per step: the sums' shuffles
+        const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
+        const int gi = g0 + gl;
+        const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
+        uint4 xa = xp[0], xb = xp[1];
+        uint32_t wd[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #if HAS_NORM
-      const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
-      const uint4 na = np[0], nb = np[1];
-      const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
+        const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
+        const uint4 na = np[0], nb = np[1];
+        const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        alignas(4) T v[2], n2[2];
-        *reinterpret_cast<uint32_t*>(v) = wd[i];
-        *reinterpret_cast<uint32_t*>(n2) = nd[i];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const T nv = static_cast<T>(static_cast<float>(v[e]) * s_inv[m]);
-          v[e] = static_cast<T>(static_cast<float>(n2[e]) * static_cast<float>(nv));
-        }
-        wd[i] = *reinterpret_cast<const uint32_t*>(v);
-      }
+        for (int i = 0; i < 8; ++i)   // T(T(x s_inv) nw), a pair at a time
+          wd[i] = mul2(pack2(tval(wd[i], 0) * s_inv[m], tval(wd[i], 1) * s_inv[m]), nd[i]);
 #endif
-      uint32_t frag[8];
-      float se = 0.f, so = 0.f;
+        float sx = 0.f;   // the group's sum over its 4 lanes (a quad: tt = lane & 3)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {   // mma j: the lane's word h = j / 2 (k 8h..8h+7), pairs p = j % 2
-        const uint32_t* q = wd + 4 * (j >> 1);
-        const int p = j & 1;
-        alignas(4) T ev[2], od[2];
-        *reinterpret_cast<uint32_t*>(ev) = __byte_perm(q[p], q[p + 2], 0x5410);   // k 2p, 2p + 4
-        *reinterpret_cast<uint32_t*>(od) = __byte_perm(q[p], q[p + 2], 0x7632);   // k 2p + 1, 2p + 5
-        se += static_cast<float>(ev[0]) + static_cast<float>(ev[1]);
-        so += static_cast<float>(od[0]) + static_cast<float>(od[1]);
-        frag[2 * j] = *reinterpret_cast<const uint32_t*>(ev);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) od[e] = static_cast<T>(static_cast<float>(od[e]) * 0.125f);
-        frag[2 * j + 1] = *reinterpret_cast<const uint32_t*>(od);
+        for (int i = 0; i < 8; ++i) sx += tval(wd[i], 0) + tval(wd[i], 1);
+        sx += __shfl_xor_sync(0xffffffffu, sx, 1);
+        sx += __shfl_xor_sync(0xffffffffu, sx, 2);
+        if (c < ng * M * 4) {
+          s_x[((gl * 2 + 0) * M + m) * 4 + tt] = bfrag(wd[0], wd[1], wd[2], wd[3]);
+          s_x[((gl * 2 + 1) * M + m) * 4 + tt] = bfrag(wd[4], wd[5], wd[6], wd[7]);
+          if (tt == 0) s_sx[gl * M + m] = sx;
+        }
       }
-      // the group's sums over its 4 lanes (a quad: tt = lane & 3)
-#pragma unroll
-      for (int o = 1; o < 4; o <<= 1) {
-        se += __shfl_xor_sync(0xffffffffu, se, o);
-        so += __shfl_xor_sync(0xffffffffu, so, o);
-      }
-      if (c < ng * M * 4) {
-        s_x[((gl * 2 + 0) * M + m) * 4 + tt] = make_uint4(frag[0], frag[1], frag[2], frag[3]);
-        s_x[((gl * 2 + 1) * M + m) * 4 + tt] = make_uint4(frag[4], frag[5], frag[6], frag[7]);
-        if (tt == 0) s_ss[gl * M + m] = make_float2(E * se + (E / 8) * so, se + so);
-      }
+      __syncthreads();
     }
-    __syncthreads();
 
     for (int i = 0; i < ntiles; ++i) {   // this block's tiles over the slice
       const int tile = BLOCK_X + i * STREAM;
@@ -221,25 +238,35 @@
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             uint4 xf = make_uint4(0u, 0u, 0u, 0u);
-            if (g8 < M) xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
+            if (g8 < M && TILE8) {   // x's words at k = 64g + 16t + 8h of row g8, as the staging permutes them
+              const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)g8 * K + g * 64 + t * 16 + 8 * h);
+              xf = bfrag(v.x, v.y, v.z, v.w);
+            } else if (g8 < M) {
+              xf = s_x[((gl * 2 + h) * M + g8) * 4 + t];
+            }
+            // TILE8: rows 8-15 all E (lop of 0 is MAGIC), their D E * sum x
             const uint32_t wa = h ? k.a[u].y : k.a[u].x, wb = TILE8 ? 0u : (h ? k.b[u].y : k.b[u].x);
 #pragma unroll
             for (int p = 0; p < 2; ++p) {
               const uint32_t a[4] = {lop(wa >> (8 * p), 0x000F000Fu), lop(wb >> (8 * p), 0x000F000Fu),
-                                     lop(wa >> (8 * p + 1), 0x00780078u), lop(wb >> (8 * p + 1), 0x00780078u)};
+                                     lop(wa >> (8 * p + 4), 0x000F000Fu), lop(wb >> (8 * p + 4), 0x000F000Fu)};
               mma(d, a, p ? xf.z : xf.x, p ? xf.w : xf.y);
             }
           }
           const uint32_t s0 = (u < 2) ? k.s[0].x : k.s[0].y, b0 = (u < 2) ? k.s[1].x : k.s[1].y;
           const float sv0 = tval(s0, u & 1), bv0 = tval(b0, u & 1);
-          const float2 e0 = s_ss[gl * M + m0], e1 = s_ss[gl * M + m1];
-          acc[0] += sv0 * (d[0] - e0.x) + bv0 * e0.y;
-          if (M > 1) acc[1] += sv0 * (d[1] - e1.x) + bv0 * e1.y;
-          if (TILE8) continue;   // the mma's rows 8-15 held no weights
+          if (TILE8) {   // E * sum x of rows m0, m1 from the mma's rows 8-15
+            acc[0] += sv0 * (d[0] - d[2]) + bv0 * (d[2] * (1.f / E));
+            if (M > 1) acc[1] += sv0 * (d[1] - d[3]) + bv0 * (d[3] * (1.f / E));
+            continue;
+          }
+          const float x0 = s_sx[gl * M + m0], x1 = s_sx[gl * M + m1];
+          acc[0] += sv0 * (d[0] - E * x0) + bv0 * x0;
+          if (M > 1) acc[1] += sv0 * (d[1] - E * x1) + bv0 * x1;
           const uint32_t s1 = (u < 2) ? k.s[2].x : k.s[2].y, b1 = (u < 2) ? k.s[3].x : k.s[3].y;
           const float sv1 = tval(s1, u & 1), bv1 = tval(b1, u & 1);
-          acc[2] += sv1 * (d[2] - e0.x) + bv1 * e0.y;
-          if (M > 1) acc[3] += sv1 * (d[3] - e1.x) + bv1 * e1.y;
+          acc[2] += sv1 * (d[2] - E * x0) + bv1 * x0;
+          if (M > 1) acc[3] += sv1 * (d[3] - E * x1) + bv1 * x1;
         }
       };
       for (int c = cb; c < ce; c += 2) {

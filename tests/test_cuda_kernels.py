@@ -48,7 +48,7 @@ def packed(N, K, bits, gs, dtype, splits=None, bias=False):
 @contextlib.contextmanager
 def unstaged():
     """Every gemv.cu GEMV converts x per warp at each k-step (without XK), as for rows too long
-    to stage in shared memory (gemv_mma.cu's phases, which always stage theirs, stay as they are)."""
+    to stage in shared memory (gemv_mma.cu's phases stay as they are)."""
     old = G.STAGE_MAX_FLOATS, G.STAGE_MAX_BYTES
     G.STAGE_MAX_FLOATS = G.STAGE_MAX_BYTES = 0
     kernels.clear_builders()

@@ -115,9 +115,9 @@ MMA_RESIDUAL_MIN_ROWS = 2
 MMA_QKV_MIN_ROWS = 2
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
-_MMA_GROUP_ROW_BYTES = 128 + 8   # staged x of a group of 64 and a row: T values, then (sig, sum x) in fp32
-# gemv_mma.cu always stages its x (in K slices where all of it does not fit), within its own bound:
-# the 32 KB of gemv.cu's STAGE_MAX_BYTES.
+_MMA_GROUP_ROW_BYTES = 128 + 4   # staged x of a group of 64 and a row: T values, then sum x in fp32
+# gemv_mma.cu stages its x but in TILE8 phases (in K slices where all of it does not fit), within its
+# own bound: the 32 KB of gemv.cu's STAGE_MAX_BYTES.
 MMA_STAGE_MAX_BYTES = 32 * 1024
 
 
@@ -134,13 +134,15 @@ def mma_tiles(N, epi):
 
 def mma_plan(M, K, N, epi):
     """(KS, TPB, blocks) of a gemv_mma.cu phase: groups of 64 per K slice, sets of partials kept
-    in shared memory, blocks launched. All of K in one slice where M rows of staged x fit in
-    MMA_STAGE_MAX_BYTES beside one set of partials, else slices of whole chunks of 4 groups (the
-    last one shorter where they do not divide K) beside a set for each of a block's tiles; None
-    where not even one chunk fits."""
+    in shared memory, blocks launched. All of K in one slice for TILE8 (x not staged) and where M
+    rows of staged x fit in MMA_STAGE_MAX_BYTES beside one set of partials, else slices of whole
+    chunks of 4 groups (the last one shorter where they do not divide K) beside a set for each of a
+    block's tiles; None where not even one chunk fits."""
     tiles = mma_tiles(N, epi)
     blocks = tiles if epi == 3 else stream_blocks(tiles)   # the QKV phase's blocks complete heads
     ng = K // 64
+    if mma_tile8(N, epi):   # x read from global memory, nothing staged
+        return ng, 1, blocks
     if ng * M * _MMA_GROUP_ROW_BYTES + _MMA_PARTIALS <= MMA_STAGE_MAX_BYTES:
         return ng, 1, blocks
     tpb = -(-tiles // blocks)
@@ -151,11 +153,11 @@ def mma_plan(M, K, N, epi):
     return -(-ng // (4 * slices)) * 4, tpb, blocks
 
 
-def mma_stage_bytes(M, plan):
-    """Dynamic shared memory of gemv_mma.cu: a slice of x in the mma's k order (2 bytes a value),
-    each of its groups and rows' two fp32 sums, and the warps' partials."""
+def mma_stage_bytes(M, N, epi, plan):
+    """Dynamic shared memory of gemv_mma.cu: a slice of x in the mma's k order (2 bytes a value) and
+    each of its groups and rows' fp32 sum x (TILE8: none), and the warps' partials."""
     ks, tpb, _ = plan
-    return ks * M * _MMA_GROUP_ROW_BYTES + tpb * _MMA_PARTIALS
+    return (0 if mma_tile8(N, epi) else ks * M * _MMA_GROUP_ROW_BYTES) + tpb * _MMA_PARTIALS
 
 
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0, large=False):
