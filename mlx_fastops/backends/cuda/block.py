@@ -19,6 +19,7 @@ from .source import HALF, MAX_ROWS, offset_array, tickets
 # large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound. A layer over it has a
 # launch of its own, whose QKV phase runs on tensor cores from 2 rows (layer_build's `large`).
 GROUP_MAX_WEIGHTS = 64 << 20
+LARGE_WIDE_FROM = 5   # rows from which layers over GROUP_MAX_WEIGHTS take FastBlock.wide (wide_from)
 
 
 def wide_from(weights):
@@ -28,7 +29,7 @@ def wide_from(weights):
     wide's 1087 / 770); at 6 and 8 rows wide's rate moved between processes too much for a verdict
     (docs/cuda-design.md), so from 5 as before. On small layers (Qwen3-0.6B, 15M) the one launch wins
     up to 8 rows (B = 5 / 8: wide 1382 / 2165 vs 2276 / 2638)."""
-    return 5 if weights > GROUP_MAX_WEIGHTS else MAX_ROWS + 1
+    return LARGE_WIDE_FROM if weights > GROUP_MAX_WEIGHTS else MAX_ROWS + 1
 
 
 def _quant_ok(m):
