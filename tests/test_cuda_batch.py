@@ -19,7 +19,6 @@ from conftest import cuda_factory
 from decoding import batch_generator_run
 from mlx_fastops import fidelity, kernels, synthetic_model
 from mlx_fastops.backends.cuda import step as cuda_step
-from mlx_fastops.backends.cuda import block as cuda_block
 from mlx_fastops.backends.cuda.block import FastBlock
 from mlx_fastops.backends.cuda.qmm import QMM_MAX_ROWS
 from mlx_fastops.backends.cuda.source import MAX_ROWS
@@ -27,8 +26,8 @@ from mlx_fastops.backends.cuda.source import MAX_ROWS
 ON_GPU = mx.cuda.is_available()
 
 # (model, rows, prompt lengths, tokens each row generates, the step before which each row joins,
-# the first row count through FastBlock.wide: 9 (small layers), 5 (large: GROUP_MAX_WEIGHTS set to 0),
-# None (qmm does not take the model's sizes))
+# the first row count through FastBlock.wide: MAX_ROWS + 1, or None where qmm does not take the
+# model's sizes)
 CASES = [
     ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1), None),                   # a longer row joins a running one
     ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0), None),         # the cache grows past 256 while batched
@@ -39,7 +38,7 @@ CASES = [
     # QKV bias; with q/k norm)
     ("qwen2-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,), 9),
     ("qwen3-tiny-qmm", 10, tuple(range(20, 40, 2)), (3,) * 5 + (2,) * 5, (0,) * 10, 9),
-    ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,), 5),   # 5-8 rows too
+    ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,), 9),   # wide's rows, then 5 on the launch
 ]
 IDS = [f"{c[0]}-B{c[1]}" for c in CASES]
 ARGS = "name,B,lengths,max_tokens,join_at,first_wide"
@@ -107,8 +106,6 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_
     monkeypatch.setattr(GenerationBatch, "_step", decode_step)
     monkeypatch.setattr(cuda_step, "layers_launch", launch)
     monkeypatch.setattr(FastBlock, "wide", wide)
-    if first_wide == 5:
-        monkeypatch.setattr(cuda_block, "GROUP_MAX_WEIGHTS", 0)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B)
     prompts = _prompts(lengths, model.args.vocab_size)
     ref, stock = batch_generator_run(model, prompts, max_tokens, join_at)
@@ -214,10 +211,10 @@ def test_tuned_prefill_leaves_the_decode_rows_on(kept, above, upto, disable, ste
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name,B", [("qwen3-tiny-qmm", 5), ("qwen2-tiny", 12)])
+@pytest.mark.parametrize("name,B", [("qwen3-tiny-qmm", 9), ("qwen2-tiny", 12)])
 def test_teacher_forced_wide_steps_equal_steps_one_at_a_time(name, B, cuda_or_emulator, monkeypatch):
     """Decode steps built lazily, none waiting for the one before (teacher forcing:
-    fidelity.forced_logits), through FastBlock.wide (from 5 rows: GROUP_MAX_WEIGHTS set to 0), whose
+    fidelity.forced_logits), through FastBlock.wide (MAX_ROWS + 1 rows and more), whose
     blocks reuse their ticket buffers step after step: the cache's reader (the block's output) must
     order each step's kernels after the previous step's. Bit for bit the logits of the same steps
     evaluated one at a time (on a GPU a missing order can show as wrong or NaN rows; the emulator
@@ -226,7 +223,6 @@ def test_teacher_forced_wide_steps_equal_steps_one_at_a_time(name, B, cuda_or_em
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
-    monkeypatch.setattr(cuda_block, "GROUP_MAX_WEIGHTS", 0)
     wide_rows = []
     monkeypatch.setattr(FastBlock, "wide", lambda fb, x, *a, _wide=FastBlock.wide: wide_rows.append(x.shape[0]) or
                         _wide(fb, x, *a))

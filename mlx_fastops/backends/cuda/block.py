@@ -1,5 +1,8 @@
 """FastBlock: one decoder block's fused decode path: layer.py's one launch for up to MAX_ROWS rows,
-five launches (`wide`, qmm on tensor cores) from wide_from to QMM_MAX_ROWS rows (batched decode)."""
+five launches (`wide`, qmm on tensor cores) from MAX_ROWS + 1 to QMM_MAX_ROWS rows (batched decode).
+The one launch wins up to MAX_ROWS rows on every size measured (H200, BatchGenerator, tg64 after 256
+tokens, `cuda_ab.py --set`): with wide from 5 rows on large layers instead, Qwen3-4B at 6 / 8 rows ran
+1951 / 1621 tok/s vs 2158 / 2451 through the one launch, Qwen3-8B 1533 / 1982 vs 1550 / 1965."""
 
 import math
 
@@ -19,17 +22,6 @@ from .source import HALF, MAX_ROWS, offset_array, tickets
 # large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound. A layer over it has a
 # launch of its own, whose QKV phase runs on tensor cores from 2 rows (layer_build's `large`).
 GROUP_MAX_WEIGHTS = 64 << 20
-LARGE_WIDE_FROM = 5   # rows from which layers over GROUP_MAX_WEIGHTS take FastBlock.wide (wide_from)
-
-
-def wide_from(weights):
-    """The rows from which a block of `weights` takes FastBlock.wide (qmm) over the one-launch layer.
-    On large layers (H200, BatchGenerator, tg32 after 256 tokens) the one launch wins at 4 rows with
-    every GEMV phase on tensor cores (Qwen3-4B / 8B, 96M / 184M weights a layer: 1308 / 1002 tok/s vs
-    wide's 1087 / 770); at 6 and 8 rows wide's rate moved between processes too much for a verdict
-    (docs/cuda-design.md), so from 5 as before. On small layers (Qwen3-0.6B, 15M) the one launch wins
-    up to 8 rows (B = 5 / 8: wide 1382 / 2165 vs 2276 / 2638)."""
-    return LARGE_WIDE_FROM if weights > GROUP_MAX_WEIGHTS else MAX_ROWS + 1
 
 
 def _quant_ok(m):
@@ -46,7 +38,7 @@ class FastBlock:
     """The fused decode path of one FusedBlock: for B * L <= MAX_ROWS rows over a StaticKVCache,
     the block as one launch (shared with the following blocks in the compiled step, where
     `grouped`); else None, and the FusedBlock takes its composed path. The compiled step also
-    runs decode steps of wide_from to wide_rows rows through `wide`."""
+    runs decode steps of MAX_ROWS + 1 to wide_rows rows through `wide`."""
 
     cache_types = (StaticKVCache, StaticQuantizedKVCache)
 
@@ -87,7 +79,6 @@ class FastBlock:
                                                                                   self.down)) else MAX_ROWS
         self.wide_tickets = tickets(QMM_MAX_ROWS * self.H) if self.wide_rows > MAX_ROWS else None
         self.norm_tickets = tickets(norm_tickets()) if self.wide_rows > MAX_ROWS else None
-        self.wide_from = wide_from(self.weights)
         self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
@@ -151,7 +142,7 @@ class FastBlock:
         return layers_launch([self], x, off, [bufs])
 
     def wide(self, x, xn, next_norm, off, kc, vc, after, lp=None):
-        """core() for a decode step (L = 1) of wide_from to wide_rows rows, from x and xn (x through
+        """core() for a decode step (L = 1) of MAX_ROWS + 1 to wide_rows rows, from x and xn (x through
         this block's input RMSNorm: the previous block's down made it): QKV on tensor cores with
         q/k norm + RoPE + the k/v cache write in its epilogue (qmm_head), attention (attention.cu),
         o_proj + residual with the post-attention RMSNorm of its rows (qmm), gate/up + SiLU (qmm),

@@ -5,7 +5,7 @@ has a FastBlock, the model's make_cache returns StaticKVCaches and model.model's
 for one whose decode call over those caches (`_Step.takes`: B * L <= MAX_ROWS tokens, or a decode
 step of up to QMM_MAX_ROWS rows) is one compiled function: embedding, the layers, final norm. Up
 to MAX_ROWS tokens the layers are the one-launch layers (consecutive small layers sharing one:
-launch_runs); decode steps from FastBlock.wide_from rows run FastBlock.wide's five launches a
+launch_runs); decode steps of more rows run FastBlock.wide's five launches a
 layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
 generate_step's kv_bits converts them to StaticQuantizedKVCaches (4/8 bits), which the same step
 takes up to MAX_ROWS rows (the one-launch layers quantising each new k/v row); mlx-lm's
@@ -144,7 +144,6 @@ def _compile_step(model, fasts, wide):
         return None, "embedding dtype differs from the layers'"
     runs = launch_runs(fasts)
     max_rows = min(fb.wide_rows for fb in fasts) if wide else MAX_ROWS
-    first_wide = max(fb.wide_from for fb in fasts) if max_rows > MAX_ROWS else MAX_ROWS + 1
     # FastBlock.wide: each block's down makes the next block's normalised input, the last block's
     # the final norm's where it is nn.RMSNorm's (a watched subclass: the same call) in the layers' dtype
     plain = isinstance(norm, nn.RMSNorm) and type(norm).__call__ is nn.RMSNorm.__call__
@@ -160,7 +159,7 @@ def _compile_step(model, fasts, wide):
             h = h.astype(dtype)
         readers = []
         # (a quantised cache's batches of at most MAX_ROWS rows stay on the one-launch layers)
-        if tokens.shape[1] == 1 and tokens.shape[0] >= first_wide and bufs[0].dtype != mx.uint32:
+        if tokens.shape[1] == 1 and tokens.shape[0] > MAX_ROWS and bufs[0].dtype != mx.uint32:
             hn = mx.fast.rms_norm(h, *fasts[0].in_norm)
             for fb, b, nxt in zip(fasts, layer_bufs, next_norms):
                 h, hn = fb.wide(h, hn, nxt, off, *b)
@@ -180,7 +179,7 @@ def _compile_step(model, fasts, wide):
                                           {"__call__": _compiled_call, "_fastops_base": base})
     launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
     why = "prefill off" if not wide else "a weight qmm does not take"
-    rows = (f"; decode steps of {first_wide}-{max_rows} rows: 5 launches a layer" if max_rows > MAX_ROWS else
+    rows = (f"; decode steps of {MAX_ROWS + 1}-{max_rows} rows: 5 launches a layer" if max_rows > MAX_ROWS else
             f"; decode steps of over {MAX_ROWS} rows: the composed ops ({why})")
     return ((inner, base, cls, _Step(mx.compile(step), fasts, fasts[0].watch, max_rows)),
             f"{len(fasts)} layers in {launches}{rows}")
