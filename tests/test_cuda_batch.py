@@ -18,6 +18,7 @@ import mlx_fastops
 from conftest import cuda_factory
 from decoding import batch_generator_run
 from mlx_fastops import fidelity, kernels, synthetic_model
+from mlx_fastops.backends.cuda import block as cuda_block
 from mlx_fastops.backends.cuda import step as cuda_step
 from mlx_fastops.backends.cuda.block import FastBlock
 from mlx_fastops.backends.cuda.qmm import QMM_MAX_ROWS
@@ -27,21 +28,23 @@ ON_GPU = mx.cuda.is_available()
 
 # (model, rows, prompt lengths, tokens each row generates, the step before which each row joins,
 # the first row count through FastBlock.wide: MAX_ROWS + 1, or None where qmm does not take the
-# model's sizes)
+# model's sizes; whether its layers are patched as large ones: GROUP_MAX_WEIGHTS set to 0)
 CASES = [
-    ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1), None),                   # a longer row joins a running one
-    ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0), None),         # the cache grows past 256 while batched
-    ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1), 9),   # the longest leaves first: shift
+    ("qwen3-tiny", 2, (7, 12), (5, 3), (0, 1), None, False),            # a longer row joins a running one
+    ("llama-tiny", 3, (253, 4, 9), (5, 2, 3), (0, 0, 0), None, False),  # the cache grows past 256 while batched
+    ("qwen2-tiny", 5, (3, 8, 5, 14, 6), (4, 2, 4, 1, 3), (0, 0, 0, 0, 1), 9, False),   # the longest leaves first: shift
     # qwen3-tiny's hidden size (192) is not in qmm's chunks: 9+ rows take the composed ops
-    ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9, None),
+    ("qwen3-tiny", 9, (2, 4, 6, 8, 10, 12, 14, 16, 18), (2,) * 5 + (4,) * 4, (0,) * 9, None, False),
     # qwen2-tiny's and qwen3-tiny-qmm's are: 9+ rows take the step's FastBlock.wide (qmm, with the
     # QKV bias; with q/k norm)
-    ("qwen2-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,), 9),
-    ("qwen3-tiny-qmm", 10, tuple(range(20, 40, 2)), (3,) * 5 + (2,) * 5, (0,) * 10, 9),
-    ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,), 9),   # wide's rows, then 5 on the launch
+    ("qwen2-tiny", 17, tuple(range(2, 19)), (1,) * 10 + (4,) * 7, (0,) * 16 + (1,), 9, False),
+    ("qwen3-tiny-qmm", 10, tuple(range(20, 40, 2)), (3,) * 5 + (2,) * 5, (0,) * 10, 9, False),
+    ("qwen2-tiny", 11, tuple(range(3, 36, 3)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,), 9, False),   # wide's rows, then 5 on the launch
+    # as large layers (Qwen3-4B / 8B): 5 rows on the one launch too, its QKV on tensor cores over left-padded rows
+    ("qwen3-tiny-qmm", 11, tuple(range(21, 43, 2)), (3,) * 6 + (5,) * 5, (0,) * 10 + (2,), 9, True),
 ]
-IDS = [f"{c[0]}-B{c[1]}" for c in CASES]
-ARGS = "name,B,lengths,max_tokens,join_at,first_wide"
+IDS = [f"{c[0]}-B{c[1]}" + ("-large" if c[6] else "") for c in CASES]
+ARGS = "name,B,lengths,max_tokens,join_at,first_wide,large"
 
 
 def _prompts(lengths, vocab):
@@ -49,7 +52,7 @@ def _prompts(lengths, vocab):
 
 
 @pytest.mark.parametrize(ARGS, CASES, ids=IDS)
-def test_reference_path_bit_exact(name, B, lengths, max_tokens, join_at, first_wide, monkeypatch):
+def test_reference_path_bit_exact(name, B, lengths, max_tokens, join_at, first_wide, large, monkeypatch):
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "reference")
     monkeypatch.delenv("MLX_FASTOPS_DISABLE", raising=False)
     model = synthetic_model(name, bits=4)   # float32
@@ -81,7 +84,8 @@ def cuda_or_emulator():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(ARGS, CASES, ids=IDS)
-def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_wide, cuda_or_emulator, monkeypatch):
+def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_wide, large, cuda_or_emulator,
+                                   monkeypatch):
     from mlx_lm.generate import GenerationBatch
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
@@ -106,6 +110,8 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_
     monkeypatch.setattr(GenerationBatch, "_step", decode_step)
     monkeypatch.setattr(cuda_step, "layers_launch", launch)
     monkeypatch.setattr(FastBlock, "wide", wide)
+    if large:
+        monkeypatch.setattr(cuda_block, "GROUP_MAX_WEIGHTS", 0)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=B)
     prompts = _prompts(lengths, model.args.vocab_size)
     ref, stock = batch_generator_run(model, prompts, max_tokens, join_at)
@@ -114,6 +120,7 @@ def test_fused_decode_step_batched(name, B, lengths, max_tokens, join_at, first_
     try:
         assert any(e.fusion == "compile" and e.status == "fused" for e in report.entries), str(report)
         first.append(model.model._fastops_blocks[0])
+        assert first[0].grouped != large   # large layers: a launch of their own, QKV on tensor cores
         max_rows = model.model._fastops_step.max_rows
         _, patched = batch_generator_run(model, prompts, max_tokens, join_at, forced=ref)
     finally:

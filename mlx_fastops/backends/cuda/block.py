@@ -1,8 +1,8 @@
 """FastBlock: one decoder block's fused decode path: layer.py's one launch for up to MAX_ROWS rows,
 five launches (`wide`, qmm on tensor cores) from MAX_ROWS + 1 to QMM_MAX_ROWS rows (batched decode).
-The one launch wins up to MAX_ROWS rows on every size measured (H200, BatchGenerator, tg64 after 256
-tokens, `cuda_ab.py --set`): with wide from 5 rows on large layers instead, Qwen3-4B at 6 / 8 rows ran
-1951 / 1621 tok/s vs 2158 / 2451 through the one launch, Qwen3-8B 1533 / 1982 vs 1550 / 1965."""
+Up to MAX_ROWS rows the one launch won on Qwen3-0.6B and 4B and tied on 8B (H200, BatchGenerator, tg64
+after 256 tokens, `cuda_ab.py --set`): with wide from 5 rows on large layers instead, Qwen3-4B at 6 / 8
+rows ran 1951 / 1621 tok/s vs 2158 / 2451 through the one launch, Qwen3-8B 1533 / 1982 vs 1550 / 1965."""
 
 import math
 

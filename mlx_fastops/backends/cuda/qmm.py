@@ -1,6 +1,6 @@
 """Quantised matmul on tensor cores (cuda/qmm.cu) for the rows just past the decode GEMVs: more
 than MAX_ROWS, at most QMM_MAX_ROWS (short prompts, speculative verification, the lm_head of
-batched decode), and the projections of FastBlock.wide (batched decode steps from 5 or 9 rows).
+batched decode), and the projections of FastBlock.wide (batched decode steps of those rows).
 More rows go to stock quantized_matmul, and from PREFILL_MIN_ROWS (but lm_head's) to the prefill
 path (prefill.py).
 

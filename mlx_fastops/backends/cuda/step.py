@@ -158,7 +158,7 @@ def _compile_step(model, fasts, wide):
         if h.dtype != dtype:
             h = h.astype(dtype)
         readers = []
-        # (a quantised cache's batches of at most MAX_ROWS rows stay on the one-launch layers)
+        # (a guard: a quantised cache, uint32 buffers, takes at most MAX_ROWS rows: its `takes`)
         if tokens.shape[1] == 1 and tokens.shape[0] > MAX_ROWS and bufs[0].dtype != mx.uint32:
             hn = mx.fast.rms_norm(h, *fasts[0].in_norm)
             for fb, b, nxt in zip(fasts, layer_bufs, next_norms):
