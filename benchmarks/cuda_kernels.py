@@ -38,9 +38,10 @@ REPS = 7
 WALL_ONLY = False
 
 
-def timeit(fn, reps=None):
+def timeit(fn, reps=None, warmup=2, stat=statistics.median):
+    """stat (the median) of reps wall times of evaluating fn(), after warmup evaluations."""
     reps = reps or REPS
-    for _ in range(2):
+    for _ in range(warmup):
         mx.eval(fn())
     mx.synchronize()
     ts = []
@@ -49,7 +50,7 @@ def timeit(fn, reps=None):
         mx.eval(fn())
         mx.synchronize()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return stat(ts)
 
 
 def gpu_time(fn, reps=3):
@@ -96,16 +97,7 @@ def copy_bandwidth():
     processes (cause not established), which made the phase tables' '% of copy' column meaningless."""
     x = mx.random.normal((1 << 29,)).astype(mx.float16)  # 1 GiB
     mx.eval(x)
-    for _ in range(100):
-        mx.eval(x * 1.5)
-    ts = []
-    for _ in range(20):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(x * 1.5)
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / min(ts) / 1e9
+    return 2 * x.nbytes / timeit(lambda: x * 1.5, reps=20, warmup=100, stat=min) / 1e9
 
 
 def packed(N, K, bits=4, gs=64, dtype=mx.bfloat16):
