@@ -22,6 +22,9 @@ over the reps, in us from the launch's first block entry:
             of a row, kv head and head subgroup) whose last block then runs the head epilogue / the
             split merge: per set, its last block end minus its second-last (phases.set_tails),
             median over the sets / the set that ended last
+Then, per phase, where its blocks' time goes (the marks, phases.MARKS): when the median / p90 block
+had waited for its inputs, done its first step (x staged; attention: its chunk read), written its
+own outputs, and ended (after a ticketed set's work, if it was the set's last).
 Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read and written, so
 that the launch finds other data in the 50 MB L2, as a decode step's layer does (the previous layer's
 rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit the
@@ -69,7 +72,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     import mlx_fastops
     from mlx_fastops import kernels, synthetic_model
     from mlx_fastops.backends.cuda import attention, cache, gemv, layer, source
-    from mlx_fastops.backends.cuda.phases import late_blocks, phase_rows, residency, set_tails
+    from mlx_fastops.backends.cuda.phases import late_blocks, mark_rows, phase_rows, residency, set_tails
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
@@ -111,12 +114,14 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             res = [max(c) for c in zip(*(residency(st) for st in stamped))]
             sets = layer.ticketed_sets(fb, groups, batch)
             tails = median_rows([set_tails(st, groups, sets) for st in stamped])
+            marks = [median_rows([mark_rows(st, groups, q) for st in stamped]) for q in (50, 90)]
             table = []
             for i, (first, ready, p90, end) in enumerate(rows):
                 t = end - ready
                 table.append({"layer": i // len(PHASES), "phase": PHASES[i % len(PHASES)], "blocks": groups[i],
                               "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
                               "end_us": end, "time_us": t, "set_tail_us": tails[i],
+                              "marks_median_us": marks[0][i], "marks_p90_us": marks[1][i],
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
             out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps, "flush_l2_MB": flush_mb,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
@@ -157,6 +162,12 @@ def markdown(results, meta):
             tail = "{:.1f} / {:.1f}".format(*p["set_tail_us"]) if p.get("set_tail_us") else "-"
             lines.append(f"| {p['layer']} | {p['phase']} | {p['blocks']} | {p['late_max']} | {p['first_in_us']:.1f} | {p['ready_us']:.1f} | "
                          f"{p['p90_end_us']:.1f} | {p['end_us']:.1f} | {p['time_us']:.1f} | {tail} | {gbs} |")
+        lines += ["", "Inside the phases (median / p90 block, us from the launch's first entry):", "",
+                  "| layer | phase | ready | waited | first step | written | end |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for p in r["phases"]:
+            med, p90 = p["marks_median_us"], p["marks_p90_us"]
+            cells = [f"{a:.1f} / {b:.1f}" for a, b in zip(med, p90)] if med else ["-"] * 4
+            lines.append(f"| {p['layer']} | {p['phase']} | {p['ready_us']:.1f} | {' | '.join(cells)} |")
         lines.append("")
     return "\n".join(lines + ["## Summary (instrumented launch, median)", ""] + summary)
 

@@ -27,7 +27,7 @@
 // Defines: T, L, H, HKV, D, G, GB, NW, MINCH, SCALE_LOG2; BLOCK_X/Y/Z, GRID_X: the block's
 // coordinates (blockIdx/gridDim in a launch of its own; set by the caller when it is one phase of
 // a launch); [WAIT_INPUTS] (a fused launch: the wait for the earlier phases, after the prefetch);
-// [LEFT_PAD].
+// [PHASE_MARKS] (layer.cuh's marks); [LEFT_PAD].
 // Inputs: q, kc, vc, off, [lp (LEFT_PAD: int32 per row)], cnt (>= B*L*HKV*G/GB).   Outputs: o [B, L, H, D],
 //   pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
@@ -105,4 +105,7 @@
       mx_[g] = mnew;
     }
   }
+#ifdef PHASE_MARKS
+  layer_mark(stamps, 1);
+#endif
 #include "split_merge.cuh"

@@ -40,7 +40,7 @@
 // 3 head (QKV): ys[m, n] = float(T(acc)), then the block that completes a head (D / 16 tiles, a block
 // each: STREAM 0) runs head.cuh's epilogue, as gemv.cu's EPI 3 does.
 // Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM,
-// TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS];
+// TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS], [PHASE_MARKS];
 // EPI 3: head.cuh's (L, H, HKV, D, ...).
 // KS, TPB and STREAM are planned for one K and N (gemv.py's mma_plan; builds are keyed on shapes).
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]];
@@ -219,6 +219,9 @@
       }
       __syncthreads();
     }
+#ifdef PHASE_MARKS
+    if (s == 0) layer_mark(stamps, 1);
+#endif
 
     for (int i = 0; i < ntiles; ++i) {   // this block's tiles over the slice
       const int tile = BLOCK_X + i * STREAM;
@@ -323,6 +326,9 @@
       }
     }
   }
+#ifdef PHASE_MARKS
+  layer_mark(stamps, 2);
+#endif
 
 #if EPI == 3
   static_assert(!STREAM && !TILE8, "gemv_mma.cu: a head's blocks are its tiles of 16 rows");

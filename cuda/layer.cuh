@@ -16,14 +16,21 @@ __device__ __forceinline__ long long layer_now() {
   return ++ticks;
 #endif
 }
-// Phase timing (layers_launch(stamps=True)): block b's entry and end times and its SM in
-// stamps[3b], [3b+1], [3b+2]. The entry is stored at once (held in a register through the block,
-// it cost the Qwen3-4B layer 38 registers in ptxas: 3 blocks per SM instead of 4); the end is
-// taken once the whole block is done, before it counts as arrived. (Templates: the stamps' int64
-// type is MLX's to name.)
+// Phase timing (layers_launch(stamps=True)): block b's row stamps[STAMP_COLS * b ...] holds its entry
+// and end times, its SM, then its marks (PHASE_MARKS, layer_mark): inputs waited for, first step
+// done (x staged; attention: its chunk read), own outputs written (before a set's ticket). The entry
+// is stored at once (held in a register through the block, it cost the Qwen3-4B layer 38 registers
+// in ptxas: 3 blocks per SM instead of 4), with the marks zeroed (a block that exits early marks
+// nothing); the end is taken once the whole block is done, before it counts as arrived.
+// (Templates: the stamps' int64 type is MLX's to name.)
+constexpr int STAMP_COLS = 6;
 template <typename I>
 __device__ __forceinline__ void layer_stamp_entry(I* stamps) {
-  if (threadIdx.x == 0) stamps[3 * blockIdx.x] = layer_now();
+  if (threadIdx.x == 0) {
+    I* row = stamps + STAMP_COLS * blockIdx.x;
+    row[0] = layer_now();
+    row[3] = row[4] = row[5] = 0;
+  }
 }
 template <typename I>
 __device__ __forceinline__ void layer_stamp(I* stamps) {
@@ -33,9 +40,15 @@ __device__ __forceinline__ void layer_stamp(I* stamps) {
 #ifdef __CUDA_ARCH__
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
 #endif
-    stamps[3 * blockIdx.x + 1] = layer_now();
-    stamps[3 * blockIdx.x + 2] = sm;
+    stamps[STAMP_COLS * blockIdx.x + 1] = layer_now();
+    stamps[STAMP_COLS * blockIdx.x + 2] = sm;
   }
+}
+// Mark i (0: waited, 1: first step, 2: written) of the block, as thread 0 reaches it; mark 0 is part
+// of the instrumented launch's WAIT_INPUTS (layer.py), the others stand in the kernel files.
+template <typename I>
+__device__ __forceinline__ void layer_mark(I* stamps, int i) {
+  if (threadIdx.x == 0) stamps[STAMP_COLS * blockIdx.x + 3 + i] = layer_now();
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) {
 #ifdef __CUDA_ARCH__

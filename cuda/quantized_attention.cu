@@ -22,7 +22,7 @@
 // A lane's share of a score is sk * (q . k_q) + kb * sum(q): its 8 q values' sum is taken once.
 //
 // Defines: T, L, H, HKV, D, G, GB, NW, MINCH, SCALE_LOG2, BITS (4 or 8), GS, CAUSAL, [AT_OFFSET],
-// BLOCK_X/Y/Z, GRID_X, [WAIT_INPUTS].
+// BLOCK_X/Y/Z, GRID_X, [WAIT_INPUTS], [PHASE_MARKS].
 // Inputs: q, k_w, k_s, k_b, v_w, v_s, v_b, [off (AT_OFFSET)], cnt (>= B*L*HKV*G/GB).
 // Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
@@ -143,4 +143,7 @@
       mx_[g] = mnew;
     }
   }
+#ifdef PHASE_MARKS
+  layer_mark(stamps, 1);
+#endif
 #include "split_merge.cuh"

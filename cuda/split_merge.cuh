@@ -48,6 +48,9 @@
       }
     }
   }
+#ifdef PHASE_MARKS
+  layer_mark(stamps, 2);
+#endif
   if (nvalid == 1) return;
 
   {

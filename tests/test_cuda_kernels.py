@@ -559,8 +559,10 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
     per layer computes; so does the launch with phase stamps (layers_launch(stamps=True), which
     benchmarks/cuda_layer_phases.py reads), whose every block is stamped, entry before end, and
     ends after every block of the group before it (its wait; attention blocks whose split is past
-    the valid length exit at once), across the layers; the benchmark's per-phase table of them is
-    ordered the same way."""
+    the valid length exit at once), across the layers; every block that waits marks its wait's end
+    after the group before it ended, then its first step and its written outputs, in that order
+    before its end (one that exits early marks nothing); the benchmark's per-phase tables of them
+    are ordered the same way."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -597,7 +599,7 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
         for (k1, v1), (k2, v2) in zip(bufs1, bufs2):
             assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
     st, groups = np.asarray(stamped[0]), stamped[1]
-    assert len(groups) == layers * layer.LAYER_GROUPS and st.shape == (sum(groups), 3)
+    assert len(groups) == layers * layer.LAYER_GROUPS and st.shape == (sum(groups), 6)
     assert (st != 0x7F7F7F7F7F7F7F7F).all() and (st[:, 0] < st[:, 1]).all(), "a block was not stamped"
     assert ((st[:, 2] >= 0) & (st[:, 2] < 1024)).all(), "an SM id out of range"
     bounds = np.cumsum([0, *groups])
@@ -615,12 +617,21 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
             chunk = np.maximum(-(-n // splits), A.ATTN_MINCH)
             waited = i % splits < -(-n // chunk)
         assert ends[g][waited].min() > ends[g - 1].max(), f"group {g} ended before group {g - 1}"
-    from mlx_fastops.backends.cuda.phases import phase_rows, set_tails
+        marks = st[bounds[g]:bounds[g + 1], 3:6]
+        assert (marks[waited] != 0).all() and (marks[~waited] == 0).all(), f"group {g}: marks of the wrong blocks"
+        assert marks[waited, 0].min() > ends[g - 1].max(), f"group {g}: a wait's mark before group {g - 1} ended"
+    assert (st[:groups[0], 3:6] != 0).all(), "a block of the first group did not mark"
+    marked = st[(st[:, 3:6] != 0).all(axis=1)]   # entry, the marks, end: in this order
+    assert (np.diff(marked[:, [0, 3, 4, 5, 1]], axis=1) > 0).all(), "marks out of order"
+    from mlx_fastops.backends.cuda.phases import mark_rows, phase_rows, set_tails
     rows = phase_rows(st, groups)
     # blocks of several groups enter within one tick of the first: the earliest is any group's
     assert len(rows) == len(groups) and min(r[0] for r in rows) == 0.0
     for (first, ready, p90, end), prev in zip(rows, [(0, 0, 0, 0.0)] + rows):
         assert ready == prev[3] and first <= p90 <= end and end > ready
+    for (_, ready, _, end), med, high in zip(rows, mark_rows(st, groups), mark_rows(st, groups, 90)):
+        assert all(a < b for a, b in zip(med, med[1:])) and all(a <= b for a, b in zip(med, high))
+        assert ready <= med[0] and high[-1] <= end
     # the benchmark's ticketed sets (a row's splits; a head's QKV blocks): a tail each, none elsewhere
     tails = set_tails(st, groups, layer.ticketed_sets(fb, groups, batch * L))
     assert [t is not None for t in tails] == [g % layer.LAYER_GROUPS < 2 for g in range(len(groups))]

@@ -111,11 +111,13 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
     block evaluated in float32 over mlx-lm's QuantizedKVCache holding the same positions (which
     quantises the new rows with mx.quantize) than the stock bf16 block over it. Again with
     attention blocks of another number of query heads (all G, or 1 where the default takes all):
-    bit for bit. llama-tiny's QKV phase runs on tensor cores (gemv_mma.cu), as in a large layer."""
+    bit for bit; so is the launch with phase stamps, whose blocks that mark (quantized_attention.cu's
+    included) mark in order between their entry and end. llama-tiny's QKV phase runs on tensor cores
+    (gemv_mma.cu), as in a large layer."""
     from test_cuda_head import quantize_as_cuda
 
     from mlx_fastops import kernels
-    from mlx_fastops.backends.cuda import block, gemv
+    from mlx_fastops.backends.cuda import block, gemv, layer
     from mlx_fastops.backends.cuda.source import offset_array
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
@@ -132,14 +134,19 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
         quantized = [mx.quantize(r, group_size=group, bits=bits) for r in rows]
         x = mx.random.normal((B, L, model.args.hidden_size)).astype(mx.bfloat16)
 
-        def run_quantized():
+        def run_quantized(stamps=False):
             bufs = [a + 0 for t in quantized for a in t]
             mx.eval(bufs)
+            if stamps:
+                out, o, st, groups = layer.layers_launch([fb], x, offset_array(P), [(*bufs, bufs[1])], stamps=True)
+                mx.eval(out, o, st)
+                return out, bufs, np.asarray(st), groups
             out, o = fb.core(x, offset_array(P), *bufs, bufs[1])
             mx.eval(out, o)
             return out, bufs
 
         out_q, bufs = run_quantized()
+        *stamped, st, groups = run_quantized(stamps=True)
         G_ = fb.H // fb.HKV
         fb.gb, gb = (G_ if G_ != fb.gb else 1), fb.gb
         variant = run_quantized()
@@ -152,8 +159,13 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
     finally:
         mlx_fastops.unpatch(model)
         kernels.clear_builders()   # no kernel built under the forced rule outlives the test
-    for a, b in zip((out_q, *bufs), (variant[0], *variant[1])):
-        assert mx.array_equal(a, b)
+    for run in (variant, stamped):
+        for a, b in zip((out_q, *bufs), (run[0], *run[1])):
+            assert mx.array_equal(a, b)
+    attn = slice(groups[0], groups[0] + groups[1])
+    assert (st[attn, 3:6] != 0).any(axis=1).sum() > 0, "no attention block marked"
+    marked = st[(st[:, 3:6] != 0).all(axis=1)]
+    assert (np.diff(marked[:, [0, 3, 4, 5, 1]], axis=1) > 0).all(), "marks out of order"
     for i, new in enumerate((kc, vc)):
         want = quantize_as_cuda(new[:, :, P:P + L], group, bits)
         for got, w, old in zip(bufs[3 * i:3 * i + 3], want, quantized[i]):

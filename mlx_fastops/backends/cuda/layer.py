@@ -38,7 +38,7 @@ LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 
 _PTYPES = {"w": "const uint32_t*", "k_w": "const uint32_t*", "v_w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
            "ctr": "const int32_t*", "rf": "const float*", "wait_g": "int", "wait_n": "int",
-           "ys": "float*", "pm": "float*", "po": "float*"}
+           "ys": "float*", "pm": "float*", "po": "float*", "stamps": "int64_t*"}
 _WAITS = ["ctr", "wait_g", "wait_n"]   # WAIT_INPUTS' parameters: the counter, the group, its blocks
 
 
@@ -58,22 +58,23 @@ def _phase(fname, filename, defines, dtype, inputs, outputs, shaped=(), strided=
     return f"__device__ void {fname}({', '.join(params)}) {{\n{body}\n}}\n{undef}\n"
 
 
-def _phase_args(x, out, w, bias, head):
+def _phase_args(x, out, w, bias, head, stamps):
     """[(function, arguments)] of one layer's phases; (base, kind) stands for the layer's own input
     `base` (kind "": the array, "_shape" / "_strides": its shape / strides). w(p): WAIT_INPUTS'
-    arguments of phase p."""
+    arguments of phase p; stamps: every phase also takes the stamps (its marks)."""
     P = lambda base, kind="": (base, kind)
     lp = [P("lp")] if head.get("lpad") else []   # a batch cache's left padding, per layer
     qkv = [x, P("qkv_w"), P("qkv_w", "_shape"), P("qkv_sc"), P("qkv_bi"), P("in_nw")]
     qkv += ([P("qkv_bias")] if bias else []) + ([P("qn"), P("kn")] if head["qknorm"] else []) + ["off"] + lp
     cache = [a for n in cache_inputs(head) for a in (P(n), P(n, "_strides"))]
     qkv += ([P("rf")] if head["freqs"] else []) + cache + ["head_cnt", P("after")]
-    return [("layer_qkv", qkv + w(0) + ["yq", "ys"]),
-            ("layer_attn", ["yq", *cache, "off", *lp, "attn_cnt"] + w(1) + ["o", "pm", "po"]),
-            ("layer_o", ["o", P("o_w"), P("o_w", "_shape"), P("o_sc"), P("o_bi"), x] + w(2) + ["h"]),
+    st = ["stamps"] if stamps else []
+    return [("layer_qkv", qkv + w(0) + ["yq", "ys"] + st),
+            ("layer_attn", ["yq", *cache, "off", *lp, "attn_cnt"] + w(1) + ["o", "pm", "po"] + st),
+            ("layer_o", ["o", P("o_w"), P("o_w", "_shape"), P("o_sc"), P("o_bi"), x] + w(2) + ["h"] + st),
             ("layer_gate_up", ["h", P("gu_w"), P("gu_w", "_shape"), P("gu_sc"), P("gu_bi"), P("post_nw")] + w(3)
-             + ["a"]),
-            ("layer_down", ["a", P("dn_w"), P("dn_w", "_shape"), P("dn_sc"), P("dn_bi"), "h"] + w(4) + [out])]
+             + ["a"] + st),
+            ("layer_down", ["a", P("dn_w"), P("dn_w", "_shape"), P("dn_sc"), P("dn_bi"), "h"] + w(4) + [out] + st)]
 
 
 @cached_builder
@@ -83,7 +84,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     input names).
 
     shapes: ((bits, gs, N, K) of qkv, o, gate_up, down). gb: the attention's query heads per block.
-    stamps: an extra output with each block's entry and end times (layer_stamp). Inputs of layer j
+    stamps: an extra output with each block's entry and end times and its marks (layer_stamp,
+    layer_mark: every phase compiled with PHASE_MARKS). Inputs of layer j
     carry the suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
     `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
@@ -99,6 +101,9 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     # query-head values (GB * D) alone take 20-45 KB, and static + dynamic above 48 KB needs an
     # opt-in that MLX makes only for dynamic sizes above 48000 bytes (else the launch is refused).
     room = gb * D <= 256
+    waits = "layer_wait(ctr, wait_g, wait_n)" + ("; layer_mark(stamps, 0)" if stamps else "")
+    marks = {"PHASE_MARKS": 1} if stamps else {}
+    st = ["stamps"] if stamps else []
 
     def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0, large):
@@ -115,9 +120,9 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                              launched if launched < nb else 0)
             src = "gemv.cu"
         smem[0] = max(smem[0], stage_bytes)
-        d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
+        d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS=waits, **marks)
         header.append(_phase(name, src, d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
-                             gemv_outputs(epi), shaped=("w",), strided=cache_inputs(head) if hd else ()))
+                             gemv_outputs(epi) + st, shaped=("w",), strided=cache_inputs(head) if hd else ()))
         sizes.append(launched)
 
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
@@ -128,17 +133,17 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
         ad.update(BITS=head["kv"][0], GS=head["kv"][1], CAUSAL=0, AT_OFFSET=1)
     ys = HKV * ad["G"] // ad["GB"]   # the attention grid's y: kv heads x head subgroups
     ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {ys})",
-              BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit, WAIT_INPUTS="layer_wait(ctr, wait_g, wait_n)")
+              BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit, WAIT_INPUTS=waits, **marks)
     attn_in = ["q", *cache_inputs(head), "off"] + (["lp"] if head.get("lpad") else []) + ["cnt"]
     header.append(_phase("layer_attn", "quantized_attention.cu" if head.get("kv") else "attention.cu", ad, dtype,
-                         attn_in + _WAITS, ["o", "pm", "po"], strided=cache_inputs(head)))
+                         attn_in + _WAITS, ["o", "pm", "po"] + st, strided=cache_inputs(head)))
     sizes.append(nsplit * ys * M)
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
     gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
     assert len(sizes) == LAYER_GROUPS
     groups = sizes * nlayers   # group g = LAYER_GROUPS * layer + phase, each waiting for g - 1
-    phase_args = lambda x, out, w: _phase_args(x, out, w, bias, head)
+    phase_args = lambda x, out, w: _phase_args(x, out, w, bias, head, stamps)
 
     own = dict.fromkeys(a[0] for _, args in phase_args("x", "out", lambda p: []) for a in args
                         if not isinstance(a, str) and not a[1])   # a layer's own arrays, in call order
@@ -246,8 +251,8 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     layer's cache). bufs: per block its cache's fast_inputs(): (kc, vc, after), for a batch cache
     (kc, vc, after, lp: its left padding, int32[max(B, PAD_WORDS)]), for a quantised cache (k_w,
     k_s, k_b, v_w, v_s, v_b, after: head.cache_inputs). With stamps (benchmarks/cuda_layer_phases.py), also
-    (int64 [blocks, 3]: each block's entry and end time in ns and its SM, blocks per group in
-    launch order)."""
+    (int64 [blocks, 6]: each block's entry and end time in ns, its SM and its marks (phases.py),
+    blocks per group in launch order)."""
     fb = blocks[0]
     B, L, K = x.shape
     M = B * L
@@ -267,7 +272,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
                   (M, gu.out_features // 2)]
     dtypes_out = [x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype]
     extra = min(len(blocks) - 1, 2)   # r0, r1: the residual stream between the layers
-    shapes_out += [(M, K)] * extra + ([(nblocks, 3)] if stamps else [])
+    shapes_out += [(M, K)] * extra + ([(nblocks, 6)] if stamps else [])
     dtypes_out += [x.dtype] * extra + ([mx.int64] if stamps else [])
     outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out, output_dtypes=dtypes_out,
                 grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))

@@ -1,14 +1,23 @@
 """Reading the phase stamps of a layer launch (layer.layers_launch(..., stamps=True)).
 
-The stamps are int64 [blocks, 3], one row per block in launch order: its entry and end time
-(%globaltimer, ns) and its SM id. `groups` gives the blocks of each group (layer j, phase p), in
-the same order. benchmarks/cuda_layer_phases.py turns these into per-phase tables.
+The stamps are int64 [blocks, 6], one row per block in launch order: its entry and end time
+(%globaltimer, ns), its SM id, then its marks (0 where the block exited before them: an attention
+split past the valid length): MARKS, as thread 0 passed them. `groups` gives the blocks of each
+group (layer j, phase p), in the same order. benchmarks/cuda_layer_phases.py turns these into
+per-phase tables.
 Some phases complete in sets (last_block.cuh): the block that takes a set's last ticket then does
 the set's remaining work (the QKV phase's head epilogue over a head's blocks, the attention merge over
 a row's splits); set_tails times that work from the stamps.
 """
 
 import numpy as np
+
+# The marks (cuda/layer.cuh's layer_mark, columns 3-5): the block's wait for the previous group over
+# (for the launch's first group: its prologue's loads issued); its first step done (a GEMV: x staged,
+# with the input norm, or for a phase that stages none, the same as waited; attention: its chunk's
+# rows read); its own outputs written (a GEMV's rows; attention: its split's partial), before a
+# ticketed set's last block goes on to the set's work.
+MARKS = ("waited", "first step", "written")
 
 
 def phase_rows(stamps, groups):
@@ -72,3 +81,21 @@ def set_tails(stamps, groups, sets):
         tails = (ends[:, -1] - ends[:, -2]) / 1e3
         out.append((float(np.median(tails)), float(tails[np.argmax(ends[:, -1])])))
     return out
+
+
+def mark_rows(stamps, groups, q=50):
+    """Per group: the q-th percentile over its marked blocks of each mark, then of the end, in us from
+    the launch's first entry (None where no block of the group marked)."""
+    st = np.asarray(stamps, dtype=np.int64)
+    t0 = st[:, 0].min()
+    rows, lo = [], 0
+    for n in groups:
+        g = st[lo:lo + n]
+        lo += n
+        marked = g[(g[:, 3:6] != 0).all(axis=1)]
+        if not len(marked):
+            rows.append(None)
+            continue
+        cols = np.concatenate([marked[:, 3:6], marked[:, 1:2]], axis=1)
+        rows.append(tuple(float(v) for v in np.percentile((cols - t0) / 1e3, q, axis=0)))
+    return rows
