@@ -147,10 +147,11 @@ case "$mode" in
       n=$( [ "$d" = . ] && echo this || basename "$d")_$r
       (cd "$d" && PYTHONPATH=$PWD:/root/mlx-site timeout 200 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b \
         --layers 1 --reps 12 --batch 1,4,8 --out "$A/$n") > "$A/$n.log" 2>&1
-      echo "== $n"   # per table: model, rows, then each phase's us and the layer's
-      awk 'function out() { if (t != "") print t; t = "" }
-        /^## Summary/{out(); exit} /^## /{out(); n = split($0, h, /[ ,]+/); t = h[2] " rows " h[8] ": layer " h[n - 1] ","}
-        /^[|] 0 [|]/{t = t " " $3 " " $10}' FS=' *[|] *' "$A/$n.md"
+      echo "== $n"   # per table: model, rows, then each phase's us and the layer's; then its median block's marks
+      awk 'function out() { if (t != "") print t; t = "" } function med(c) { split(c, v, " / "); return v[1] }
+        /^## Summary/{out(); exit} /^## /{out(); ins = 0; n = split($0, h, /[ ,]+/); t = h[2] " rows " h[8] ": layer " h[n - 1] ","}
+        /^Inside/{out(); ins = 1; t = "  ready, waited / first step / written / end:"}
+        /^[|] 0 [|]/{t = t " " $3 (ins ? " " $4 ", " med($5) " / " med($6) " / " med($7) " / " med($8) ";" : " " $10)}' FS=' *[|] *' "$A/$n.md"
     done; done
     tar czf "$OUT/trees.tgz" -C "$A" . ;;
   prefill)
