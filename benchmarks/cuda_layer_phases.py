@@ -3,12 +3,13 @@ end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
         [--prompt 512] [--reps 20] [--batch 1,4,8] [--attn-blocks 264,132] [--resident 528,396]
-        [--disable '' --disable NAMES] [--flush-l2 MB] [--out benchmarks/results/cuda_layer_phases]
+        [--disable '' --disable NAMES] [--flush-l2 MB] [--kv-bits 8] [--out benchmarks/results/cuda_layer_phases]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
 launches its first n fused layers (n per --layers) as one layer launch with stamps, for --batch rows,
 (layer.layers_launch(stamps=True), read by backends/cuda/phases.py) over a KV cache of --prompt
-positions, --reps times after 3 warm-up launches. Per group of blocks (layer j, phase p), medians
+positions (--kv-bits 4 / 8: mlx-lm's QuantizedKVCache layout in groups of 64, as kv_bits makes it),
+--reps times after 3 warm-up launches. Per group of blocks (layer j, phase p), medians
 over the reps, in us from the launch's first block entry:
   late:     (most over the reps) blocks that entered only after one of the group's own blocks had
             ended: they were not resident beside the rest (a second wave)
@@ -49,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
+KV_GROUP = 64   # a quantised cache's group size (mlx-lm's QuantizedKVCache default)
 
 
 def median_rows(runs):
@@ -57,15 +59,16 @@ def median_rows(runs):
             for i, row in enumerate(runs[0])]
 
 
-def phase_bytes(fb, batch, ctx):
+def phase_bytes(fb, batch, ctx, kv_bits=0):
     """Bytes each phase of one layer must read: packed weights + scales + biases; attention: the
-    K and V rows of ctx positions."""
+    K and V rows of ctx positions (kv_bits: packed, with a bf16 scale and bias per group of 64)."""
     wb = lambda w: w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
-    kv = 2 * batch * fb.HKV * ctx * fb.D * 2   # bf16 K and V
+    row = fb.D * kv_bits // 8 + 4 * (fb.D // KV_GROUP) if kv_bits else fb.D * 2
+    kv = 2 * batch * fb.HKV * ctx * row   # K and V
     return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
 
 
-def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1, flush_mb=128):
+def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1, flush_mb=128, kv_bits=0):
     import mlx.core as mx
     import numpy as np
 
@@ -81,10 +84,12 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     fb = fbs[0]
     S = -(-(prompt + 1) // cache.StaticKVCache.step) * cache.StaticKVCache.step
     caches = [[mx.random.normal((batch, fb.HKV, S, fb.D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
+    if kv_bits:   # packed words, scales, biases of k, then of v (head.cache_inputs)
+        caches = [[a for c in pair for a in mx.quantize(c, group_size=KV_GROUP, bits=kv_bits)] for pair in caches]
     x = mx.random.normal((batch, 1, model.args.hidden_size)).astype(mx.bfloat16)
     mx.eval(caches, x)
     off = source.offset_array(prompt)
-    nbytes = phase_bytes(fb, batch, prompt + 1)
+    nbytes = phase_bytes(fb, batch, prompt + 1, kv_bits)
     out = []
     default_target, default_resident = attention.ATTN_TARGET_BLOCKS, gemv.RESIDENT_BLOCKS
     try:
@@ -94,7 +99,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                 gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
                 kernels.clear_builders()
             nsplit = layer.attention_splits(fb, batch)[0]
-            bufs = [(kc, vc, kc) for kc, vc in caches[:n]]
+            bufs = [(*c, c[1] if kv_bits else c[0]) for c in caches[:n]]   # the cache, then the last reader (any T array)
             # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
             # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's
             # outputs, whose first writes would then fault (phases many times their length).
@@ -124,6 +129,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                               "marks_median_us": marks[0][i], "marks_p90_us": marks[1][i],
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
             out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps, "flush_l2_MB": flush_mb,
+                        "kv_bits": kv_bits,
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                         "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
@@ -147,11 +153,13 @@ def markdown(results, meta):
                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         off = ",".join(r["disabled"]) or "-"
-        summary.append(f"| {r['model']} | {r['batch']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
+        kv = f" (kv_bits {r['kv_bits']})" if r.get("kv_bits") else ""
+        summary.append(f"| {r['model']}{kv} | {r['batch']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
                        f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} | "
                        f"{r['resident_max']} ({r['resident_per_sm_max']}, {r['sms']}) |")
         lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
-                  f"{r['prompt']} cached positions, {r['attn_splits']} attention splits, "
+                  f"{r['prompt']} cached positions{', kv_bits %d' % r['kv_bits'] if r.get('kv_bits') else ''}, "
+                  f"{r['attn_splits']} attention splits, "
                   f"disabled {off}, RESIDENT_BLOCKS {r['resident_blocks_assumed']}, "
                   f"L2 flushed with {r['flush_l2_MB']} MB: "
                   f"{r['total_us']:.1f} us", "",
@@ -193,6 +201,8 @@ def main():
                          "one set of tables each ('' for the defaults)")
     ap.add_argument("--batch", default="1", help="activation rows (sequences) of the decode step, comma-separated")
     ap.add_argument("--flush-l2", type=int, default=128, help="MB of another buffer written before each launch (0: none)")
+    ap.add_argument("--kv-bits", type=int, default=0, choices=(0, 4, 8),
+                    help="the cache quantised as mlx-lm's QuantizedKVCache with kv_bits (0: the float cache)")
     ap.add_argument("--out", default="benchmarks/results/cuda_layer_phases", help="writes OUT.md and OUT.json")
     a = ap.parse_args()
     if not mx.cuda.is_available():
@@ -208,7 +218,7 @@ def main():
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
     results = [r for name in a.models.split(",") for b in a.batch.split(",") for d in (a.disable or [""])
                for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents,
-                                int(b), a.flush_l2)]
+                                int(b), a.flush_l2, a.kv_bits)]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))   # OUT may hold dots

@@ -648,6 +648,31 @@ def test_phase_stamps_second_wave_and_residency(late_entry, late, per_sm):
     assert residency(st) == (4, per_sm, 2)
 
 
+def test_phase_tables_over_a_float_and_a_quantized_cache():
+    """benchmarks/cuda_layer_phases.py (measure, markdown) on a tiny model over the float cache and an
+    8-bit one (--kv-bits): a table of each, every phase's median marks in order from its ready time to
+    its end, the quantised cache's attention reading fewer bytes, its table and summary row labelled."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_layer_phases.py"
+    spec = importlib.util.spec_from_file_location("cuda_layer_phases", path)
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    runs = [r for kv in (0, 8) for r in lp.measure("qwen3-tiny-qmm", [1], 100, 1, [A.ATTN_TARGET_BLOCKS], ["compile"],
+                                                    flush_mb=0, kv_bits=kv)]
+    assert [r["kv_bits"] for r in runs] == [0, 8]
+    for r in runs:
+        assert [p["phase"] for p in r["phases"]] == list(lp.PHASES)
+        for p in r["phases"]:
+            marks = p["marks_median_us"]
+            assert p["ready_us"] <= marks[0] and list(marks) == sorted(marks) and marks[-1] <= p["end_us"], p
+    float_attn, kv8_attn = (r["phases"][1]["GBs"] * r["phases"][1]["time_us"] for r in runs)
+    assert kv8_attn < 0.6 * float_attn   # bytes: 8-bit rows + a scale and bias a group, against bf16 rows
+    md = lp.markdown(runs, {"device": "-", "mlx": "-", "commit": "-", "source": "-", "copy_GBs": 1.0})
+    assert md.count("Inside the phases") == 2
+    assert "cached positions, kv_bits 8," in md and "| qwen3-tiny-qmm (kv_bits 8) |" in md
+
+
 @pytest.mark.parametrize("sets,tails", [([2, 3], [(0.85, 1.5), (0.5, 0.5)]),   # group 0's sets end 1.2, 1.0 / 3.0, 1.5
                                         ([4, 0], [(1.5, 1.5), None]),
                                         ([3, 3], ValueError)])                  # 4 blocks are no sets of 3
