@@ -99,7 +99,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                 gemv.RESIDENT_BLOCKS = resident or default_resident   # the GEMV phases' blockings
                 kernels.clear_builders()
             nsplit = layer.attention_splits(fb, batch)[0]
-            bufs = [(*c, c[1] if kv_bits else c[0]) for c in caches[:n]]   # the cache, then the last reader (any T array)
+            bufs = [(*c, c[1] if kv_bits else c[0]) for c in caches[:n]]   # the cache, then a last reader (a T array)
             # Every launch's stamps stay on the GPU until the last has run: a buffer the host has read
             # is managed memory on the host's side, and MLX reuses freed buffers for the next launch's
             # outputs, whose first writes would then fault (phases many times their length).
@@ -154,8 +154,8 @@ def markdown(results, meta):
     for r in results:
         off = ",".join(r["disabled"]) or "-"
         kv = f" (kv_bits {r['kv_bits']})" if r.get("kv_bits") else ""
-        summary.append(f"| {r['model']}{kv} | {r['batch']} | {r['layers']} | {r['attn_splits']} | {off} | {r['resident_blocks_assumed']} | "
-                       f"{r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} | "
+        summary.append(f"| {r['model']}{kv} | {r['batch']} | {r['layers']} | {r['attn_splits']} | {off} | "
+                       f"{r['resident_blocks_assumed']} | {r['total_us']:.1f} | {r['total_us'] / r['layers']:.1f} | "
                        f"{r['resident_max']} ({r['resident_per_sm_max']}, {r['sms']}) |")
         lines += [f"## {r['model']}, {r['layers']} layer(s) per launch, batch {r['batch']}, "
                   f"{r['prompt']} cached positions{', kv_bits %d' % r['kv_bits'] if r.get('kv_bits') else ''}, "
@@ -171,10 +171,10 @@ def markdown(results, meta):
             lines.append(f"| {p['layer']} | {p['phase']} | {p['blocks']} | {p['late_max']} | {p['first_in_us']:.1f} | {p['ready_us']:.1f} | "
                          f"{p['p90_end_us']:.1f} | {p['end_us']:.1f} | {p['time_us']:.1f} | {tail} | {gbs} |")
         lines += ["", "Inside the phases (median / p90 block, us from the launch's first entry):", "",
-                  "| layer | phase | ready | waited | first step | written | end |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| layer | phase | ready | waited | first step | written | end |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for p in r["phases"]:
-            med, p90 = p["marks_median_us"], p["marks_p90_us"]
-            cells = [f"{a:.1f} / {b:.1f}" for a, b in zip(med, p90)] if med else ["-"] * 4
+            cells = [f"{a:.1f} / {b:.1f}" for a, b in zip(p["marks_median_us"], p["marks_p90_us"])]
             lines.append(f"| {p['layer']} | {p['phase']} | {p['ready_us']:.1f} | {' | '.join(cells)} |")
         lines.append("")
     return "\n".join(lines + ["## Summary (instrumented launch, median)", ""] + summary)

@@ -17,13 +17,12 @@ __device__ __forceinline__ long long layer_now() {
 #endif
 }
 // Phase timing (layers_launch(stamps=True)): block b's row stamps[STAMP_COLS * b ...] holds its entry
-// and end times, its SM, then its marks (PHASE_MARKS, layer_mark): inputs waited for, first step
-// done (x staged; attention: its chunk read), own outputs written (before a set's ticket). The entry
-// is stored at once (held in a register through the block, it cost the Qwen3-4B layer 38 registers
-// in ptxas: 3 blocks per SM instead of 4), with the marks zeroed (a block that exits early marks
-// nothing); the end is taken once the whole block is done, before it counts as arrived.
-// (Templates: the stamps' int64 type is MLX's to name.)
-constexpr int STAMP_COLS = 6;
+// and end times, its SM, then its marks (PHASE_MARKS, layer_mark; what each means: phases.py's
+// MARKS). The entry is stored at once (held in a register through the block, it cost the Qwen3-4B
+// layer 38 registers in ptxas: 3 blocks per SM instead of 4), with the marks zeroed (a block that
+// exits early marks nothing); the end is taken once the whole block is done, before it counts as
+// arrived.
+constexpr int STAMP_COLS = 6;   // phases.STAMP_COLS
 template <typename I>
 __device__ __forceinline__ void layer_stamp_entry(I* stamps) {
   if (threadIdx.x == 0) {
@@ -46,6 +45,7 @@ __device__ __forceinline__ void layer_stamp(I* stamps) {
 }
 // Mark i (0: waited, 1: first step, 2: written) of the block, as thread 0 reaches it; mark 0 is part
 // of the instrumented launch's WAIT_INPUTS (layer.py), the others stand in the kernel files.
+// (Templates: the stamps' int64 type is MLX's to name.)
 template <typename I>
 __device__ __forceinline__ void layer_mark(I* stamps, int i) {
   if (threadIdx.x == 0) stamps[STAMP_COLS * blockIdx.x + 3 + i] = layer_now();

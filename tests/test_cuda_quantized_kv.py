@@ -162,10 +162,11 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
     for run in (variant, stamped):
         for a, b in zip((out_q, *bufs), (run[0], *run[1])):
             assert mx.array_equal(a, b)
-    attn = slice(groups[0], groups[0] + groups[1])
-    assert (st[attn, 3:6] != 0).any(axis=1).sum() > 0, "no attention block marked"
-    marked = st[(st[:, 3:6] != 0).all(axis=1)]
-    assert (np.diff(marked[:, [0, 3, 4, 5, 1]], axis=1) > 0).all(), "marks out of order"
+    from test_cuda_kernels import assert_marks_in_order
+    attn = st[groups[0]:groups[0] + groups[1], 3:]
+    assert (attn != 0).all(axis=1).any() and ((attn != 0).all(axis=1) | (attn == 0).all(axis=1)).all(), \
+        "attention blocks marked partly or none"
+    assert_marks_in_order(st)
     for i, new in enumerate((kc, vc)):
         want = quantize_as_cuda(new[:, :, P:P + L], group, bits)
         for got, w, old in zip(bufs[3 * i:3 * i + 3], want, quantized[i]):

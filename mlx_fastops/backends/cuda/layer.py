@@ -31,7 +31,7 @@ from .attention import attn_defines, attn_partials
 from .gemv import (gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, mma_defines, mma_plan,
                    mma_stage_bytes, mma_takes, stream_blocks, x_stage, x_stage_bytes)
 from .head import cache_inputs
-from .phases import layer_sets
+from .phases import STAMP_COLS, layer_sets
 from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
@@ -251,7 +251,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
     layer's cache). bufs: per block its cache's fast_inputs(): (kc, vc, after), for a batch cache
     (kc, vc, after, lp: its left padding, int32[max(B, PAD_WORDS)]), for a quantised cache (k_w,
     k_s, k_b, v_w, v_s, v_b, after: head.cache_inputs). With stamps (benchmarks/cuda_layer_phases.py), also
-    (int64 [blocks, 6]: each block's entry and end time in ns, its SM and its marks (phases.py),
+    (int64 [blocks, phases.STAMP_COLS]: each block's entry and end time in ns, its SM and its marks,
     blocks per group in launch order)."""
     fb = blocks[0]
     B, L, K = x.shape
@@ -272,7 +272,7 @@ def layers_launch(blocks, x, off, bufs, stamps=False):
                   (M, gu.out_features // 2)]
     dtypes_out = [x.dtype, x.dtype, f32, x.dtype, f32, f32, x.dtype, x.dtype]
     extra = min(len(blocks) - 1, 2)   # r0, r1: the residual stream between the layers
-    shapes_out += [(M, K)] * extra + ([(nblocks, 6)] if stamps else [])
+    shapes_out += [(M, K)] * extra + ([(nblocks, STAMP_COLS)] if stamps else [])
     dtypes_out += [x.dtype] * extra + ([mx.int64] if stamps else [])
     outs = kern(inputs=[arrays[n] for n in names], output_shapes=shapes_out, output_dtypes=dtypes_out,
                 grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1))

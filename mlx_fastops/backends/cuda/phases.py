@@ -12,12 +12,14 @@ a row's splits); set_tails times that work from the stamps.
 
 import numpy as np
 
-# The marks (cuda/layer.cuh's layer_mark, columns 3-5): the block's wait for the previous group over
-# (for the launch's first group: its prologue's loads issued); its first step done (a GEMV: x staged,
-# with the input norm, or for a phase that stages none, the same as waited; attention: its chunk's
-# rows read); its own outputs written (a GEMV's rows; attention: its split's partial), before a
-# ticketed set's last block goes on to the set's work.
+# The marks (cuda/layer.cuh's layer_mark, columns 3-5), thread 0's times: its wait for the previous
+# group over (the launch's first group has none: its prologue's loads issued); its first step done (a
+# GEMV: x staged with the input norm, or, sliced, the first slice; unstaged, the norm's pass over x, or
+# nothing; attention: thread 0's rows of its chunk read); its own outputs written (gemv.cu: warp 0's
+# rows; gemv_mma.cu: the block's, after a barrier; attention: its split's partial), before a ticketed
+# set's last block goes on to the set's work.
 MARKS = ("waited", "first step", "written")
+STAMP_COLS = 3 + len(MARKS)   # entry, end, SM, the marks
 
 
 def phase_rows(stamps, groups):
@@ -85,17 +87,17 @@ def set_tails(stamps, groups, sets):
 
 def mark_rows(stamps, groups, q=50):
     """Per group: the q-th percentile over its marked blocks of each mark, then of the end, in us from
-    the launch's first entry (None where no block of the group marked)."""
+    the launch's first entry. Every group has marked blocks (an attention row's first split always
+    waits); one without is an error."""
     st = np.asarray(stamps, dtype=np.int64)
     t0 = st[:, 0].min()
     rows, lo = [], 0
     for n in groups:
         g = st[lo:lo + n]
         lo += n
-        marked = g[(g[:, 3:6] != 0).all(axis=1)]
+        marked = g[(g[:, 3:] != 0).all(axis=1)]
         if not len(marked):
-            rows.append(None)
-            continue
-        cols = np.concatenate([marked[:, 3:6], marked[:, 1:2]], axis=1)
+            raise ValueError(f"group {len(rows)}: no block marked")
+        cols = np.concatenate([marked[:, 3:], marked[:, 1:2]], axis=1)
         rows.append(tuple(float(v) for v in np.percentile((cols - t0) / 1e3, q, axis=0)))
     return rows
