@@ -23,9 +23,10 @@ over the reps, in us from the launch's first block entry:
             of a row, kv head and head subgroup) whose last block then runs the head epilogue / the
             split merge: per set, its last block end minus its second-last (phases.set_tails),
             median over the sets / the set that ended last
-Then, per phase, where its blocks' time goes (the marks, phases.MARKS): when the median / p90 block
-had waited for its inputs, done its first step (x staged; attention: its chunk read), written its
-own outputs, and ended (after a ticketed set's work, if it was the set's last).
+Then, per phase, where its blocks' time goes (the marks: thread 0's times; phases.MARKS says what each
+is in each kernel): when the median / p90 block had waited for its inputs, done its first step (x
+staged; attention: its chunk read), written its own outputs, and ended (after a ticketed set's work,
+if it was the set's last).
 Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read and written, so
 that the launch finds other data in the 50 MB L2, as a decode step's layer does (the previous layer's
 rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit the
