@@ -40,8 +40,8 @@
 // 3 head (QKV): ys[m, n] = float(T(acc)), then the block that completes a head (D / 16 tiles, a block
 // each: STREAM 0) runs head.cuh's epilogue, as gemv.cu's EPI 3 does.
 // Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM,
-// TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS], [PHASE_MARKS];
-// EPI 3: head.cuh's (L, H, HKV, D, ...).
+// TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS],
+// [PHASE_MARKS]; EPI 3: head.cuh's (L, H, HKV, D, ...).
 // KS, TPB and STREAM are planned for one K and N (gemv.py's mma_plan; builds are keyed on shapes).
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]];
 // EPI 3: head.cuh's inputs, then cnt (a ticket per head). Output: y [M, N] (EPI 2: [M, N/2]); EPI 3:

@@ -28,7 +28,7 @@ __device__ __forceinline__ void layer_stamp_entry(I* stamps) {
   if (threadIdx.x == 0) {
     I* row = stamps + STAMP_COLS * blockIdx.x;
     row[0] = layer_now();
-    row[3] = row[4] = row[5] = 0;
+    for (int i = 3; i < STAMP_COLS; ++i) row[i] = 0;
   }
 }
 template <typename I>
