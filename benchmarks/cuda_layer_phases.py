@@ -38,7 +38,8 @@ One set of tables per --attn-blocks (attention.ATTN_TARGET_BLOCKS, hence the spl
 sequence), --resident (gemv.RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and
 --disable set (fusions of mlx_fastops.FUSIONS patched off); a summary comes last, with the most
 blocks seen resident at once (in the launch, on one SM, and how many SMs ran blocks).
-Writes OUT.md and OUT.json.
+Writes OUT.md and OUT.json; the JSON also holds, per table, the rep whose launch ended at the median:
+every block's stamps in launch order (phases.relative_stamps), with the groups' sizes.
 """
 
 import argparse
@@ -76,7 +77,8 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     import mlx_fastops
     from mlx_fastops import kernels, synthetic_model
     from mlx_fastops.backends.cuda import attention, cache, gemv, layer, source
-    from mlx_fastops.backends.cuda.phases import late_blocks, mark_rows, phase_rows, residency, set_tails
+    from mlx_fastops.backends.cuda.phases import (late_blocks, mark_rows, phase_rows, relative_stamps, residency,
+                                                   set_tails)
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
@@ -121,6 +123,8 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             sets = layer.ticketed_sets(fb, groups, batch)
             tails = median_rows([set_tails(st, groups, sets) for st in stamped])
             marks = [median_rows([mark_rows(st, groups, q) for st in stamped]) for q in (50, 90)]
+            ends = [phase_rows(st, groups)[-1][3] for st in stamped]
+            median_rep = stamped[sorted(range(len(ends)), key=ends.__getitem__)[len(ends) // 2]]
             table = []
             for i, (first, ready, p90, end) in enumerate(rows):
                 t = end - ready
@@ -134,7 +138,8 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                         "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
-                        "total_us": rows[-1][3], "phases": table})
+                        "total_us": rows[-1][3], "phases": table, "groups": list(groups),
+                        "stamps_median_rep": relative_stamps(median_rep)})
     finally:
         attention.ATTN_TARGET_BLOCKS = default_target   # the sweep leaves the modules as it found them
         if gemv.RESIDENT_BLOCKS != default_resident:

@@ -25,7 +25,7 @@
 #                at 4 and 8 rows (batched decode) -> results/cuda_layer_phases_batch.*
 #   phases_l2    the large tables (Qwen3-8B/4B, 1 and 4 rows) with the L2 flushed before each launch and not,
 #                in turn, twice -> $OUT/phases_l2.tgz (whether one-layer tables read weights from the L2)
-#   trees DIRS.. the large tables at 1, 4 and 8 rows from this tree and from each DIRS (another commit's files, e.g.
+#   trees DIRS.. the large tables at 1, 4 and 8 rows (BATCH=1,4: those) from this tree and from each DIRS (another commit's files, e.g.
 #                `git archive BRANCH | tar -x -C DIR`: an untracked folder travels, a worktree does not), in turn,
 #                RUNS times (2) -> $OUT/trees.tgz (an A/B of kernel changes by phase)
 #   attn_splits  the large one-row tables with 528 / 264 / 132 / 66 attention blocks (splits of the sequence)
@@ -147,7 +147,7 @@ case "$mode" in
     for r in $(seq "${RUNS:-2}"); do for d in . "${@:2}"; do
       n=$( [ "$d" = . ] && echo this || basename "$d")_$r
       (cd "$d" && PYTHONPATH=$PWD:/root/mlx-site timeout 200 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b \
-        --layers 1 --reps 12 --batch 1,4,8 --out "$A/$n") > "$A/$n.log" 2>&1
+        --layers 1 --reps 12 --batch "${BATCH:-1,4,8}" --out "$A/$n") > "$A/$n.log" 2>&1
       echo "== $n"   # per table: model, rows, then each phase's us and the layer's; then its median block's marks
       awk 'function out() { if (t != "") print t; t = "" } function med(c) { split(c, v, " / "); return v[1] }
         /^## Summary/{out(); exit} /^## /{out(); ins = 0; n = split($0, h, /[ ,]+/); t = h[2] " rows " h[8] ": layer " h[n - 1] ","}

@@ -8,6 +8,7 @@ verified: logic, indexing, barriers and shuffles; not timing or inter-block race
 """
 
 import contextlib
+import json
 import math
 
 import mlx.core as mx
@@ -676,6 +677,8 @@ def test_phase_tables_over_a_float_and_a_quantized_cache(monkeypatch):
         for p in r["phases"]:
             marks = p["marks_median_us"]
             assert p["ready_us"] <= marks[0] and list(marks) == sorted(marks) and marks[-1] <= p["end_us"], p
+        st = np.array(json.loads(json.dumps(r["stamps_median_rep"])))   # the JSON's raw stamps: every block
+        assert st.shape == (sum(r["groups"]), STAMP_COLS) and st[:, 0].min() == 0 and (st[:, 1] > st[:, 0]).all()
     from types import SimpleNamespace
     w = SimpleNamespace(weight=np.zeros(1), scales=np.zeros(1), biases=np.zeros(1))
     fb = SimpleNamespace(HKV=2, D=64, qkv=w, o=w, gate_up=w, down=w)   # qwen3-tiny-qmm's heads
@@ -686,6 +689,13 @@ def test_phase_tables_over_a_float_and_a_quantized_cache(monkeypatch):
     md = lp.markdown(runs, {"device": "-", "mlx": "-", "commit": "-", "source": "-", "copy_GBs": 1.0})
     assert md.count("Inside the phases") == 2
     assert "cached positions, kv_bits 8," in md and "| qwen3-tiny-qmm (kv_bits 8) |" in md
+
+
+def test_relative_stamps_keep_unreached_marks():
+    """phases.relative_stamps: times from the first entry, a mark of 0 (not reached) still 0, SMs kept."""
+    from mlx_fastops.backends.cuda.phases import relative_stamps
+    st = [(5000, 9000, 7, 6000, 7000, 8000), (4000, 4500, 3, 0, 0, 0)]   # the second block exited early
+    assert relative_stamps(st) == [[1000, 5000, 7, 2000, 3000, 4000], [0, 500, 3, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("sets,tails", [([2, 3], [(0.85, 1.5), (0.5, 0.5)]),   # group 0's sets end 1.2, 1.0 / 3.0, 1.5

@@ -36,6 +36,16 @@ def phase_rows(stamps, groups):
     return rows
 
 
+def relative_stamps(stamps):
+    """The stamps with every time in ns from the launch's first entry (a mark of 0, not reached,
+    stays 0; the SM column as it is): one launch's blocks as plain lists, for reading offline."""
+    st = np.asarray(stamps, dtype=np.int64).copy()
+    t0 = st[:, 0].min()
+    times = [c for c in range(STAMP_COLS) if c != 2]
+    st[:, times] = np.where(st[:, times] != 0, st[:, times] - t0, 0)
+    return st.tolist()
+
+
 def late_blocks(stamps, groups):
     """Per group: blocks that entered only after one of the group's own blocks had ended, i.e. in
     a slot that the group itself freed: they did not fit beside the rest (a second wave)."""
