@@ -26,7 +26,8 @@ over the reps, in us from the launch's first block entry:
 Then, per phase, where its blocks' time goes (the marks: thread 0's times; phases.MARKS says what each
 is in each kernel): when the median / p90 block had waited for its inputs, done its first step (x
 staged; attention: its chunk read), written its own outputs, and ended (after a ticketed set's work,
-if it was the set's last).
+if it was the set's last). Then, per phase, by how many of its blocks an SM ran (phases.sm_load, in
+the median rep): how many SMs ran that many and when those blocks ended (the median).
 Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read and written, so
 that the launch finds other data in the 50 MB L2, as a decode step's layer does (the previous layer's
 rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit the
@@ -78,7 +79,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
     from mlx_fastops import kernels, synthetic_model
     from mlx_fastops.backends.cuda import attention, cache, gemv, layer, source
     from mlx_fastops.backends.cuda.phases import (late_blocks, mark_rows, phase_rows, relative_stamps, residency,
-                                                   set_tails)
+                                                   set_tails, sm_load)
 
     os.environ["MLX_FASTOPS_BACKEND"] = "cuda"
     model = synthetic_model(name, bits=4, layers=max(nlayers))
@@ -125,6 +126,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             marks = [median_rows([mark_rows(st, groups, q) for st in stamped]) for q in (50, 90)]
             ends = [phase_rows(st, groups)[-1][3] for st in stamped]
             median_rep = stamped[sorted(range(len(ends)), key=ends.__getitem__)[len(ends) // 2]]
+            per_sm = sm_load(median_rep, groups)
             table = []
             for i, (first, ready, p90, end) in enumerate(rows):
                 t = end - ready
@@ -132,6 +134,7 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                               "late_max": late[i], "first_in_us": first, "ready_us": ready, "p90_end_us": p90,
                               "end_us": end, "time_us": t, "set_tail_us": tails[i],
                               "marks_median_us": marks[0][i], "marks_p90_us": marks[1][i],
+                              "per_sm": {str(k): v for k, v in per_sm[i].items()},
                               "GBs": nbytes[i % len(PHASES)] / (t * 1e-6) / 1e9 if t > 0 else None})
             out.append({"model": name, "layers": n, "prompt": prompt, "batch": batch, "reps": reps, "flush_l2_MB": flush_mb,
                         "kv_bits": kv_bits,
@@ -182,6 +185,13 @@ def markdown(results, meta):
         for p in r["phases"]:
             cells = [f"{a:.1f} / {b:.1f}" for a, b in zip(p["marks_median_us"], p["marks_p90_us"])]
             lines.append(f"| {p['layer']} | {p['phase']} | {p['ready_us']:.1f} | {' | '.join(cells)} |")
+        ks = sorted({int(k) for p in r["phases"] for k in p["per_sm"]})
+        lines += ["", "Blocks of a phase per SM (the median rep): SMs that ran k of them / those blocks' median end, us:",
+                  "", "| layer | phase | " + " | ".join(f"k = {k}" for k in ks) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in ks) + " |"]
+        for p in r["phases"]:
+            cells = ["{} / {:.1f}".format(*p["per_sm"][str(k)]) if str(k) in p["per_sm"] else "-" for k in ks]
+            lines.append(f"| {p['layer']} | {p['phase']} | {' | '.join(cells)} |")
         lines.append("")
     return "\n".join(lines + ["## Summary (instrumented launch, median)", ""] + summary)
 

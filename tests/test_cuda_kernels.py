@@ -677,6 +677,8 @@ def test_phase_tables_over_a_float_and_a_quantized_cache(monkeypatch):
         for p in r["phases"]:
             marks = p["marks_median_us"]
             assert p["ready_us"] <= marks[0] and list(marks) == sorted(marks) and marks[-1] <= p["end_us"], p
+        for p in r["phases"]:   # the emulator runs every block on "SM 0"
+            assert list(p["per_sm"]) == [str(p["blocks"])] and p["per_sm"][str(p["blocks"])][0] == 1, p
         st = np.array(json.loads(json.dumps(r["stamps_median_rep"])))   # the JSON's raw stamps: every block
         assert st.shape == (sum(r["groups"]), STAMP_COLS) and st[:, 0].min() == 0 and (st[:, 1] > st[:, 0]).all()
     from types import SimpleNamespace
@@ -687,7 +689,7 @@ def test_phase_tables_over_a_float_and_a_quantized_cache(monkeypatch):
     got = [r["phases"][1]["GBs"] * r["phases"][1]["time_us"] * 1e3 for r in runs]   # the tables' bytes
     assert got == pytest.approx([float_attn, kv8_attn])
     md = lp.markdown(runs, {"device": "-", "mlx": "-", "commit": "-", "source": "-", "copy_GBs": 1.0})
-    assert md.count("Inside the phases") == 2
+    assert md.count("Inside the phases") == 2 and md.count("Blocks of a phase per SM") == 2
     assert "cached positions, kv_bits 8," in md and "| qwen3-tiny-qmm (kv_bits 8) |" in md
 
 
@@ -696,6 +698,14 @@ def test_relative_stamps_keep_unreached_marks():
     from mlx_fastops.backends.cuda.phases import relative_stamps
     st = [(5000, 9000, 7, 6000, 7000, 8000), (4000, 4500, 3, 0, 0, 0)]   # the second block exited early
     assert relative_stamps(st) == [[1000, 5000, 7, 2000, 3000, 4000], [0, 500, 3, 0, 0, 0]]
+
+
+def test_sm_load_groups_blocks_by_their_sms_count():
+    """phases.sm_load: per group, SMs by how many of its blocks they ran, and those blocks' median end."""
+    from mlx_fastops.backends.cuda.phases import sm_load
+    st = [(0, 1000, 0), (0, 2000, 0), (0, 3000, 0), (0, 500, 1),   # group 0: SM 0 ran 3, SM 1 ran 1
+          (0, 4000, 0), (0, 6000, 1)]                              # group 1: one each
+    assert sm_load(st, [4, 2]) == [{1: (1, 0.5), 3: (1, 2.0)}, {1: (2, 5.0)}]
 
 
 @pytest.mark.parametrize("sets,tails", [([2, 3], [(0.85, 1.5), (0.5, 0.5)]),   # group 0's sets end 1.2, 1.0 / 3.0, 1.5

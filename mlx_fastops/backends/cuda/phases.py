@@ -111,3 +111,22 @@ def mark_rows(stamps, groups, q=50):
         cols = np.concatenate([marked[:, 3:], marked[:, 1:2]], axis=1)
         rows.append(tuple(float(v) for v in np.percentile((cols - t0) / 1e3, q, axis=0)))
     return rows
+
+
+def sm_load(stamps, groups):
+    """Per group: {k: (SMs that ran k of the group's blocks, median end of those blocks in us from
+    the launch's first entry)}. Where an SM's blocks share its memory throughput, the blocks of SMs
+    that ran more of the group end later, and the group's end waits for them."""
+    st = np.asarray(stamps, dtype=np.int64)
+    t0 = st[:, 0].min()
+    out, lo = [], 0
+    for n in groups:
+        g = st[lo:lo + n]
+        lo += n
+        sms, per_sm = np.unique(g[:, 2], return_counts=True)
+        count = dict(zip(sms.tolist(), per_sm.tolist()))
+        k_of = np.array([count[s] for s in g[:, 2].tolist()])
+        out.append({int(k): (int((per_sm == k).sum()), float(np.median(g[k_of == k, 1] - t0) / 1e3))
+                    for k in np.unique(per_sm)})
+    return out
+
