@@ -57,6 +57,7 @@
   static_assert(M >= 1 && M <= 8, "gemv_mma.cu: the mma's n is 8 activation rows");
   static_assert(!(TILE8 && HAS_NORM), "gemv_mma.cu: the input norm is applied as x is staged");
   constexpr int TR = EPI == 2 || TILE8 ? 8 : 16;   // output rows per tile
+  constexpr int SJ = 2;   // staging: items a thread loads before converting them
   constexpr int SC = KS / 4, CPW = (SC + NW - 1) / NW;   // chunks of a slice; of a warp in a slice
   const int N = w_shape[0], KW = w_shape[1], K = KW * 8, NG = K / 64, NC = NG / 4, NS = (NG + KS - 1) / KS;
   const int NOUT = EPI == 2 ? N / 2 : N;
@@ -116,6 +117,33 @@
   uint4* const s_x = reinterpret_cast<uint4*>(s_stage);
   float* const s_sx = reinterpret_cast<float*>(s_x + XS * 8 * M);
   float4 (*const s_acc)[NW][32] = reinterpret_cast<float4 (*)[NW][32]>(s_sx + XS * M);
+  // The staging's loads of SJ items a thread (x, and the norm weight; item c: row m, group gi, lane tt)
+  // into wd / nd. Up to 2 rows (STAGE_EARLY) the first slice's first step is issued before the row
+  // norm's own loads of x, so the two wait for L2 together (as gemv.cu's staged x does); with more
+  // rows the norm's loads of M rows need those registers (offline ptxas: 3 blocks per SM at 3-8 rows).
+  constexpr bool STAGE_EARLY = !TILE8 && M <= 2;
+  uint32_t wd[SJ][8];
+#if HAS_NORM
+  uint32_t nd[SJ][8];
+#endif
+  auto stage_load = [&](int c0, int g0, int ng) {
+#pragma unroll
+    for (int j = 0; j < SJ; ++j) {
+      const int c = c0 + j * NW * 32 + threadIdx.x, tt = c & 3;
+      const int m = min((c >> 2) % M, M - 1), gi = g0 + min((c >> 2) / M, ng - 1);
+      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
+      const uint4 xa = xp[0], xb = xp[1];
+      wd[j][0] = xa.x; wd[j][1] = xa.y; wd[j][2] = xa.z; wd[j][3] = xa.w;
+      wd[j][4] = xb.x; wd[j][5] = xb.y; wd[j][6] = xb.z; wd[j][7] = xb.w;
+#if HAS_NORM
+      const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
+      const uint4 na = np[0], nb = np[1];
+      nd[j][0] = na.x; nd[j][1] = na.y; nd[j][2] = na.z; nd[j][3] = na.w;
+      nd[j][4] = nb.x; nd[j][5] = nb.y; nd[j][6] = nb.z; nd[j][7] = nb.w;
+#endif
+    }
+  };
+  if (STAGE_EARLY) stage_load(0, 0, min(KS, NG));   // (converted by stage_convert below)
 #if HAS_NORM
   const int KN = K;
 #include "row_norm.cuh"
@@ -187,35 +215,42 @@
   };
   // lanes past the M rows compute on row M - 1's sums (TILE8: on zero columns) and are not stored
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
+  // The loaded step's items normalised, permuted and stored in the slice's x, with each group's sum
+  auto stage_convert = [&](int c0, int g0, int ng) {
+    const int items = ng * M * 4;
+#pragma unroll
+    for (int j = 0; j < SJ; ++j) {
+      const int c = c0 + j * NW * 32 + threadIdx.x, tt = c & 3;
+      const int m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
+#if HAS_NORM
+#pragma unroll
+      for (int i = 0; i < 8; ++i)   // T(T(x s_inv) nw), a pair at a time
+        wd[j][i] = mul2(pack2(tval(wd[j][i], 0) * s_inv[m], tval(wd[j][i], 1) * s_inv[m]), nd[j][i]);
+#endif
+      float sx = 0.f;   // the group's sum over its 4 lanes (a quad: tt = lane & 3)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sx += tval(wd[j][i], 0) + tval(wd[j][i], 1);
+      sx += __shfl_xor_sync(0xffffffffu, sx, 1);
+      sx += __shfl_xor_sync(0xffffffffu, sx, 2);
+      if (c < items) {
+        s_x[((gl * 2 + 0) * M + m) * 4 + tt] = bfrag(wd[j][0], wd[j][1], wd[j][2], wd[j][3]);
+        s_x[((gl * 2 + 1) * M + m) * 4 + tt] = bfrag(wd[j][4], wd[j][5], wd[j][6], wd[j][7]);
+        if (tt == 0) s_sx[gl * M + m] = sx;
+      }
+      if (c0 + (j + 1) * NW * 32 >= items) break;   // (uniform: no thread has an item past it)
+    }
+  };
+  if (STAGE_EARLY) stage_convert(0, 0, min(KS, NG));   // the first step, loaded before the row norm
 
   for (int s = 0; s < NS; ++s) {
     const int g0 = s * KS, ng = min(KS, NG - g0);
     if (s > 0) __syncthreads();   // every warp is done with the previous slice's x
     if (!TILE8) {   // (TILE8 loads its x in the compute loop)
-      for (int c0 = 0; c0 < ng * M * 4; c0 += NW * 32) {   // whole warps per step: the sums' shuffles
-        const int c = c0 + threadIdx.x, tt = c & 3, m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
-        const int gi = g0 + gl;
-        const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
-        uint4 xa = xp[0], xb = xp[1];
-        uint32_t wd[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#if HAS_NORM
-        const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
-        const uint4 na = np[0], nb = np[1];
-        const uint32_t nd[8] = {na.x, na.y, na.z, na.w, nb.x, nb.y, nb.z, nb.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i)   // T(T(x s_inv) nw), a pair at a time
-          wd[i] = mul2(pack2(tval(wd[i], 0) * s_inv[m], tval(wd[i], 1) * s_inv[m]), nd[i]);
-#endif
-        float sx = 0.f;   // the group's sum over its 4 lanes (a quad: tt = lane & 3)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sx += tval(wd[i], 0) + tval(wd[i], 1);
-        sx += __shfl_xor_sync(0xffffffffu, sx, 1);
-        sx += __shfl_xor_sync(0xffffffffu, sx, 2);
-        if (c < ng * M * 4) {
-          s_x[((gl * 2 + 0) * M + m) * 4 + tt] = bfrag(wd[0], wd[1], wd[2], wd[3]);
-          s_x[((gl * 2 + 1) * M + m) * 4 + tt] = bfrag(wd[4], wd[5], wd[6], wd[7]);
-          if (tt == 0) s_sx[gl * M + m] = sx;
-        }
+      // SJ items a thread per step, all their loads issued before any is converted (a step's loads
+      // wait for L2 once, not once per item: stage_load); whole warps per step: the sums' shuffles
+      for (int c0 = s == 0 && STAGE_EARLY ? SJ * NW * 32 : 0; c0 < ng * M * 4; c0 += SJ * NW * 32) {
+        stage_load(c0, g0, ng);
+        stage_convert(c0, g0, ng);
       }
       __syncthreads();
     }

@@ -318,8 +318,7 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, dtype, monkey
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
     dt = getattr(mx, dtype)
     if mma:   # every phase gemv_mma.cu takes (its K a multiple of 256) on tensor cores, whatever its rows
-        monkeypatch.setattr(G, "MMA_RESIDUAL_MIN_ROWS", 1)
-        monkeypatch.setattr(G, "MMA_QKV_MIN_ROWS", 1)
+        monkeypatch.setattr(G, "MMA_MIN_ROWS", 1)
         monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", 0)   # QKV as in a large layer
         if mma != "all":   # shared memory for one chunk of x beside a set of partials per tile
             tpb = 2 if mma == "sliced_stream" else 1
@@ -434,15 +433,15 @@ def captured_layer(M, shapes, heads, nsplit, large=False):
 
 @pytest.mark.parametrize("name,M,on_mma", [
     ("qwen3-0.6b", 1, (False, False, True, False)), ("qwen3-0.6b", 2, (False, True, True, True)),
-    ("qwen3-4b", 1, (False, True, True, True)), ("qwen3-4b", 2, (True, True, True, True)),
-    ("qwen3-8b", 1, (False, True, True, True)), ("qwen3-8b", 4, (True, True, True, True)),
+    ("qwen3-4b", 1, (True, True, True, True)), ("qwen3-4b", 2, (True, True, True, True)),
+    ("qwen3-8b", 1, (True, True, True, True)), ("qwen3-8b", 4, (True, True, True, True)),
     ("llama-3.2-1b", 1, (False, False, True, False)), ("llama-3.2-1b", 2, (False, True, True, True)),
     ("qwen2.5-0.5b", 4, (False, False, False, False))])
 def test_layer_phases_on_tensor_cores(name, M, on_mma):
     """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): gate/up
     always; o_proj and down from 2 rows, at one row where their tiles fill more than half the wave
-    (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); QKV from 2 rows in layers of over
-    GROUP_MAX_WEIGHTS (Qwen3-4B / 8B) where a head is whole tiles of 16 rows; only K a multiple of
+    (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); QKV so too (Qwen3-4B / 8B: 384
+    tiles) in layers of over GROUP_MAX_WEIGHTS where a head is whole tiles of 16 rows; only K a multiple of
     256 and where the attention blocks leave room for staged x (Qwen2.5-0.5B: none, K 896 and
     blocks of 7 query heads; its down, K 4864, only for want of room)."""
     shapes, (H, HKV, D) = {n: (s, h) for n, s, h, *_ in LAYERS}[name]
@@ -452,7 +451,11 @@ def test_layer_phases_on_tensor_cores(name, M, on_mma):
     got = tuple(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, False, room, D, large)
                 for (bits, gs, N, K), epi in zip(shapes, (3, 1, 2, 1)))
     assert got == on_mma
-    qkv = shapes[0]   # heads of 72: not whole tiles
+    qkv = shapes[0]
+    if M == 1 and not large:   # a small model's layers launched one by one (GROUP_MAX_WEIGHTS 0) round as
+        # its grouped launch does: QKV's tiles do not fill the wave (test_cuda_models' bitwise test)
+        assert not G.mma_takes(mx.bfloat16, 1, qkv[3], qkv[2], 4, 64, 3, False, room, D, True)
+    # heads of 72: not whole tiles
     assert not G.mma_takes(mx.bfloat16, 4, qkv[3], qkv[2], 4, 64, 3, False, True, 72, True)
     # the layer built: each phase's source is gemv_mma.cu (mma.sync) exactly where the rule says
     kw, _ = captured_layer(M, shapes, (H, HKV, D), 3, large)

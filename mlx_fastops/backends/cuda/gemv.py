@@ -98,21 +98,20 @@ def x_stage_bytes(M, bits, vec, stage):
     return M * ((2 if xt else 4) * xk + 4 * (xk // lane_elems(bits, vec)))
 
 
-# The one-launch layer's gate/up phase runs on tensor cores (cuda/gemv_mma.cu) at any rows, its
-# o_proj and down phases from MMA_RESIDUAL_MIN_ROWS rows and at one row where their tiles (of 8 rows:
-# TILE8) fill more than half of the wave's block slots; the weights 4-bit in groups of 64, K a
-# multiple of 256. Phase tables (H200, docs/cuda-design.md): gate/up gains at every row count;
-# o_proj and down gain from 2 rows on every benchmark model, at one row on Qwen3-4B / 8B (320 / 512
-# tiles: 53.9 -> 51.6 / 69.8 -> 68.1 us a layer) and not on Llama-3.2-1B (down, 256 tiles: 8.6 ->
-# 9.7 us) or Qwen3-0.6B (128 tiles: even).
-MMA_RESIDUAL_MIN_ROWS = 2
-# The QKV phase (its head epilogue too) from MMA_QKV_MIN_ROWS rows in large layers (over
-# block.GROUP_MAX_WEIGHTS weights, a launch of their own): us per phase (H200, one visit,
-# 2026-12-04), gemv.cu -> gemv_mma.cu, Qwen3-4B at 1 / 2 / 4 rows 10.8 -> 10.8, 17.0 -> 12.3, 23.7
-# -> 14.3; 8B 13.2 -> 13.8, 21.8 -> 16.4, 41.1 -> 20.3. On Qwen3-0.6B and Llama-3.2-1B (several
-# layers a launch) it lost: at one row their QKV phases ran 0.2-0.5 us slower, at 2 rows their
-# launches ran at 3 blocks per SM (layers 30.1 -> 32.8 and 44.4 -> 53.1 us).
-MMA_QKV_MIN_ROWS = 2
+# The one-launch layer's gate/up phase runs on tensor cores (cuda/gemv_mma.cu) at any rows; its
+# o_proj, down and QKV phases (QKV: in large layers, where a head is whole tiles) from MMA_MIN_ROWS
+# rows, and at one row where their tiles (of 8 rows: TILE8) fill more than half of the wave's block
+# slots; the weights 4-bit in groups of 64, K a multiple of 256. Phase tables (H200,
+# docs/cuda-design.md): gate/up gains at every row count; o_proj and down gain from 2 rows on every
+# benchmark model, at one row on Qwen3-4B / 8B (320 / 512 tiles: 53.9 -> 51.6 / 69.8 -> 68.1 us a
+# layer) and not on Llama-3.2-1B (down, 256 tiles: 8.6 -> 9.7 us) or Qwen3-0.6B (128 tiles: even).
+# QKV, us per phase: Qwen3-4B at 2 / 4 rows 17.0 -> 12.3, 23.7 -> 14.3, 8B 21.8 -> 16.4, 41.1 ->
+# 20.3; at one row (384 tiles), since the first staging step's loads go out with the norm's, 11.2 ->
+# 9.9 and 15.6 -> 12.4, then 11.0 -> 10.4 and 14.2 -> 13.2 (two visits). Only in large layers (over
+# block.GROUP_MAX_WEIGHTS weights, a launch of their own): at 2 rows Qwen3-0.6B's and
+# Llama-3.2-1B's several-layer launches ran at 3 blocks per SM (layers 30.1 -> 32.8, 44.4 -> 53.1
+# us); at one row (256 / 192 tiles) their QKV phases ran 0.2-0.5 us slower.
+MMA_MIN_ROWS = 2
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)
 _MMA_GROUP_ROW_BYTES = 128 + 4   # staged x of a group of 64 and a row: T values, then sum x in fp32
@@ -162,11 +161,11 @@ def mma_stage_bytes(M, N, epi, plan):
 
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0, large=False):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu). EPI 3 (QKV, heads of
-    head_dim): where a head is whole tiles of 16 rows, from MMA_QKV_MIN_ROWS rows in a large layer."""
-    if epi == 3 and (head_dim % 16 or M < MMA_QKV_MIN_ROWS or not large):
+    head_dim): in a large layer, where a head is whole tiles of 16 rows."""
+    if epi == 3 and (head_dim % 16 or not large):
         return False
     return (epi in (1, 2, 3) and dtype in HALF and bits == 4 and gs == 64 and not bias and K % 256 == 0 and M <= 8 and room
-            and (epi != 1 or M >= MMA_RESIDUAL_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
+            and (epi == 2 or M >= MMA_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
             and mma_plan(M, K, N, epi) is not None)
 
 

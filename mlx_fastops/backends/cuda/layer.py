@@ -6,9 +6,9 @@
   3. o_proj GEMV + residual add (gemv.cu, EPI 1)
   4. post-attention RMSNorm + gate/up GEMV + SiLU * up (gemv.cu, EPI 2)
   5. down GEMV + residual add (gemv.cu, EPI 1)
-  (GEMV phases on tensor cores, gemv_mma.cu, where gemv.mma_takes: gate/up at any rows, o_proj and
-  down from MMA_RESIDUAL_MIN_ROWS rows and at one row on large layers, QKV from MMA_QKV_MIN_ROWS
-  rows on large layers)
+  (GEMV phases on tensor cores, gemv_mma.cu, where gemv.mma_takes: gate/up at any rows; o_proj,
+  down and, on large layers, QKV from MMA_MIN_ROWS rows and at one row where their tiles fill over
+  half the wave)
 
 A block of group g waits for every block of group g - 1 (cuda/layer.cuh) after it has started
 loading what does not depend on it (its weights; the attention's cached K/V rows): gemv.cu,
