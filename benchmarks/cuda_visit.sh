@@ -148,10 +148,15 @@ case "$mode" in
       n=$( [ "$d" = . ] && echo this || basename "$d")_$r
       (cd "$d" && PYTHONPATH=$PWD:/root/mlx-site timeout 200 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b \
         --layers 1 --reps 12 --batch "${BATCH:-1,4,8}" --out "$A/$n") > "$A/$n.log" 2>&1
-      echo "== $n"   # per table: model, rows, then each phase's us and the layer's; then its median block's marks
+      echo "== $n"   # per table: model, rows, then each phase's us and the layer's; its median block's marks;
+      # per phase, SMs that ran k of its blocks / their median end, for each k (the per-SM table)
       awk 'function out() { if (t != "") print t; t = "" } function med(c) { split(c, v, " / "); return v[1] }
         /^## Summary/{out(); exit} /^## /{out(); ins = 0; n = split($0, h, /[ ,]+/); t = h[2] " rows " h[8] ": layer " h[n - 1] ","}
         /^Inside/{out(); ins = 1; t = "  ready, waited / first step / written / end:"}
+        /^Blocks of a phase per SM/{out(); ins = 2; t = "  per SM, k: SMs / end:"}
+        ins == 2 && /^[|] layer/{nk = NF - 4; for (i = 1; i <= nk; i++) { k[i] = $(i + 3); sub(/^k = /, "", k[i]) }}
+        /^[|] 0 [|]/ && ins == 2{c = ""; for (i = 1; i <= nk; i++) if ($(i + 3) != "-") c = c (c == "" ? "" : ", ") k[i] ": " $(i + 3)
+          t = t " " $3 " " c ";"; next}
         /^[|] 0 [|]/{t = t " " $3 (ins ? " " $4 ", " med($5) " / " med($6) " / " med($7) " / " med($8) ";" : " " $10)}' FS=' *[|] *' "$A/$n.md"
     done; done
     tar czf "$OUT/trees.tgz" -C "$A" . ;;
