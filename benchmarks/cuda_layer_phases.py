@@ -3,7 +3,8 @@ end times (%globaltimer, ns) on MLX's CUDA backend.
 
     python3 benchmarks/cuda_layer_phases.py [--models qwen3-0.6b,qwen3-8b] [--layers 1,4]
         [--prompt 512] [--reps 20] [--batch 1,4,8] [--attn-blocks 264,132] [--resident 528,396]
-        [--disable '' --disable NAMES] [--flush-l2 MB] [--kv-bits 8] [--out benchmarks/results/cuda_layer_phases]
+        [--disable '' --disable NAMES] [--flush-l2 MB] [--kv-bits 8] [--stamps]
+        [--out benchmarks/results/cuda_layer_phases]
 
 Builds each synthetic model (4-bit, as many layers as the largest --layers), patches it, and
 launches its first n fused layers (n per --layers) as one layer launch with stamps, for --batch rows,
@@ -39,8 +40,8 @@ One set of tables per --attn-blocks (attention.ATTN_TARGET_BLOCKS, hence the spl
 sequence), --resident (gemv.RESIDENT_BLOCKS, the block slots the GEMV phases' blockings assume) and
 --disable set (fusions of mlx_fastops.FUSIONS patched off); a summary comes last, with the most
 blocks seen resident at once (in the launch, on one SM, and how many SMs ran blocks).
-Writes OUT.md and OUT.json; the JSON also holds, per table, the rep whose launch ended at the median:
-every block's stamps in launch order (phases.relative_stamps), with the groups' sizes.
+Writes OUT.md and OUT.json; with --stamps the JSON also holds, per table, the rep whose launch ended at
+the median: every block's stamps in launch order (phases.relative_stamps), with the groups' sizes.
 """
 
 import argparse
@@ -71,7 +72,8 @@ def phase_bytes(fb, batch, ctx, kv_bits=0):
     return [wb(fb.qkv), kv, wb(fb.o), wb(fb.gate_up), wb(fb.down)]
 
 
-def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1, flush_mb=128, kv_bits=0):
+def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,), batch=1, flush_mb=128, kv_bits=0,
+            keep_stamps=False):
     import mlx.core as mx
     import numpy as np
 
@@ -141,8 +143,8 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                         "attn_target_blocks": target, "attn_splits": nsplit, "disabled": sorted(disable),
                         "resident_blocks_assumed": gemv.RESIDENT_BLOCKS,
                         "resident_max": res[0], "resident_per_sm_max": res[1], "sms": res[2],
-                        "total_us": rows[-1][3], "phases": table, "groups": list(groups),
-                        "stamps_median_rep": relative_stamps(median_rep)})
+                        "total_us": rows[-1][3], "phases": table, "groups": list(groups)}
+                       | ({"stamps_median_rep": relative_stamps(median_rep)} if keep_stamps else {}))
     finally:
         attention.ATTN_TARGET_BLOCKS = default_target   # the sweep leaves the modules as it found them
         if gemv.RESIDENT_BLOCKS != default_resident:
@@ -219,6 +221,7 @@ def main():
     ap.add_argument("--flush-l2", type=int, default=128, help="MB of another buffer written before each launch (0: none)")
     ap.add_argument("--kv-bits", type=int, default=0, choices=(0, 4, 8),
                     help="the cache quantised as mlx-lm's QuantizedKVCache with kv_bits (0: the float cache)")
+    ap.add_argument("--stamps", action="store_true", help="the median rep's raw stamps in OUT.json (unindented)")
     ap.add_argument("--out", default="benchmarks/results/cuda_layer_phases", help="writes OUT.md and OUT.json")
     a = ap.parse_args()
     if not mx.cuda.is_available():
@@ -234,10 +237,11 @@ def main():
     residents = [int(r) for r in a.resident.split(",") if r] or [None]
     results = [r for name in a.models.split(",") for b in a.batch.split(",") for d in (a.disable or [""])
                for r in measure(name, nlayers, a.prompt, a.reps, targets, [n for n in d.split(",") if n], residents,
-                                int(b), a.flush_l2, a.kv_bits)]
+                                int(b), a.flush_l2, a.kv_bits, a.stamps)]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))   # OUT may hold dots
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "results": results},   # OUT may hold dots
+                                              indent=None if a.stamps else 1))
     Path(f"{out}.md").write_text(markdown(results, meta))
     print(markdown(results, meta))
 

@@ -147,7 +147,7 @@ case "$mode" in
     for r in $(seq "${RUNS:-2}"); do for d in . "${@:2}"; do
       n=$( [ "$d" = . ] && echo this || basename "$d")_$r
       (cd "$d" && PYTHONPATH=$PWD:/root/mlx-site timeout 200 python3 benchmarks/cuda_layer_phases.py --models qwen3-4b,qwen3-8b \
-        --layers 1 --reps 12 --batch "${BATCH:-1,4,8}" --out "$A/$n") > "$A/$n.log" 2>&1
+        --layers 1 --reps 12 --batch "${BATCH:-1,4,8}" --stamps --out "$A/$n") > "$A/$n.log" 2>&1
       echo "== $n"   # per table: model, rows, then each phase's us and the layer's; its median block's marks;
       # per phase, SMs that ran k of its blocks / their median end, for each k (the per-SM table)
       awk 'function out() { if (t != "") print t; t = "" } function med(c) { split(c, v, " / "); return v[1] }

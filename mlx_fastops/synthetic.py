@@ -67,6 +67,9 @@ CONFIGS = {
                    "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,
                    "rope_theta": 1000000.0, "tie_word_embeddings": True},
 }
+# llama-tiny with K = 2304 (36 groups of 64): the tensor-core GEMV stages over 128 items a step of x,
+# so its threads take a second item, and at 8 rows K is sliced (tests of cuda/gemv_mma.cu's staging).
+CONFIGS["llama-tiny-wide"] = {**CONFIGS["llama-tiny"], "hidden_size": 2304}
 
 # Residual-stream design (rms per element): the token embedding (1.0) and what attention adds (its
 # output projection scaled by _ATTN_GAIN, about as large) both reach each layer's MLP, so the next

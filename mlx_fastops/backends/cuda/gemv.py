@@ -106,11 +106,11 @@ def x_stage_bytes(M, bits, vec, stage):
 # benchmark model, at one row on Qwen3-4B / 8B (320 / 512 tiles: 53.9 -> 51.6 / 69.8 -> 68.1 us a
 # layer) and not on Llama-3.2-1B (down, 256 tiles: 8.6 -> 9.7 us) or Qwen3-0.6B (128 tiles: even).
 # QKV, us per phase: Qwen3-4B at 2 / 4 rows 17.0 -> 12.3, 23.7 -> 14.3, 8B 21.8 -> 16.4, 41.1 ->
-# 20.3; at one row (384 tiles), since the first staging step's loads go out with the norm's, 11.2 ->
-# 9.9 and 15.6 -> 12.4, then 11.0 -> 10.4 and 14.2 -> 13.2 (two visits). Only in large layers (over
-# block.GROUP_MAX_WEIGHTS weights, a launch of their own): at 2 rows Qwen3-0.6B's and
-# Llama-3.2-1B's several-layer launches ran at 3 blocks per SM (layers 30.1 -> 32.8, 44.4 -> 53.1
-# us); at one row (256 / 192 tiles) their QKV phases ran 0.2-0.5 us slower.
+# 20.3; at one row (384 tiles), since the first staging step's loads go out with the norm's, 11.0 ->
+# 10.4 and 14.2 -> 13.2 (2026-12-05). Only in large layers (over block.GROUP_MAX_WEIGHTS weights, a
+# launch of their own): at 2 rows Qwen3-0.6B's and Llama-3.2-1B's several-layer launches ran at 3
+# blocks per SM (layers 30.1 -> 32.8, 44.4 -> 53.1 us; before the staging of two items a thread);
+# at one row (256 / 192 tiles) their QKV phases ran 0.2-0.5 us slower.
 MMA_MIN_ROWS = 2
 _MMA_WARPS = 4   # a block's warps, splitting K
 _MMA_PARTIALS = _MMA_WARPS * 32 * 16   # bytes of a tile's partials (32 lanes x float4 a warp)

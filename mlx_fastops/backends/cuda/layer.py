@@ -89,7 +89,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     carry the suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
     `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
-    cores from 2 rows)."""
+    cores from 2 rows, and at one row where its tiles fill more than half the wave)."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
