@@ -120,13 +120,14 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
                 mx.eval(st)
                 stamped.append(st)
             stamped = [np.array(st) for st in stamped[3:]]
-            rows = median_rows([phase_rows(st, groups) for st in stamped])
+            per_rep = [phase_rows(st, groups) for st in stamped]
+            rows = median_rows(per_rep)
             late = [max(c) for c in zip(*(late_blocks(st, groups) for st in stamped))]
             res = [max(c) for c in zip(*(residency(st) for st in stamped))]
             sets = layer.ticketed_sets(fb, groups, batch)
             tails = median_rows([set_tails(st, groups, sets) for st in stamped])
             marks = [median_rows([mark_rows(st, groups, q) for st in stamped]) for q in (50, 90)]
-            ends = [phase_rows(st, groups)[-1][3] for st in stamped]
+            ends = [r[-1][3] for r in per_rep]
             median_rep = stamped[sorted(range(len(ends)), key=ends.__getitem__)[len(ends) // 2]]
             per_sm = sm_load(median_rep, groups)
             table = []

@@ -22,17 +22,23 @@ MARKS = ("waited", "first step", "written")
 STAMP_COLS = 3 + len(MARKS)   # entry, end, SM, the marks
 
 
+def by_group(stamps, groups):
+    """(the launch's first entry, each group's rows of the stamps, in launch order)."""
+    st = np.asarray(stamps, dtype=np.int64)
+    bounds = np.cumsum([0, *groups])
+    return st[:, 0].min(), [st[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def phase_rows(stamps, groups):
     """Per group: (first entry, ready, p90 end, end) in us from the launch's first entry; ready is
     the previous group's last end, from which this group's blocks may proceed."""
-    st = np.asarray(stamps, dtype=np.int64)
-    t0 = st[:, 0].min()
-    rows, lo, ready = [], 0, 0.0
-    for n in groups:
-        g = (st[lo:lo + n, :2] - t0) / 1e3
+    t0, parts = by_group(stamps, groups)
+    rows, ready = [], 0.0
+    for part in parts:
+        g = (part[:, :2] - t0) / 1e3
         end = float(g[:, 1].max())
         rows.append((float(g[:, 0].min()), ready, float(np.percentile(g[:, 1], 90)), end))
-        ready, lo = end, lo + n
+        ready = end
     return rows
 
 
@@ -49,9 +55,7 @@ def relative_stamps(stamps):
 def late_blocks(stamps, groups):
     """Per group: blocks that entered only after one of the group's own blocks had ended, i.e. in
     a slot that the group itself freed: they did not fit beside the rest (a second wave)."""
-    st = np.asarray(stamps, dtype=np.int64)
-    bounds = np.cumsum([0, *groups])
-    return [int((st[a:b, 0] > st[a:b, 1].min()).sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [int((g[:, 0] > g[:, 1].min()).sum()) for g in by_group(stamps, groups)[1]]
 
 
 def residency(stamps):
@@ -80,16 +84,14 @@ def set_tails(stamps, groups, sets):
     taken their tickets, plus how much later than them it took its own (an attention row short enough
     for one split has no merge: its set's tail is then a split's time). None for a group without sets;
     a set size that does not tile its group is an error."""
-    st = np.asarray(stamps, dtype=np.int64)
-    bounds = np.cumsum([0, *groups])
     out = []
-    for a, b, n in zip(bounds[:-1], bounds[1:], sets):
+    for g, n in zip(by_group(stamps, groups)[1], sets):
         if n < 2:
             out.append(None)
             continue
-        if (b - a) % n:
-            raise ValueError(f"sets of {n} blocks do not tile a group of {b - a}")
-        ends = np.sort(st[a:b, 1].reshape(-1, n), axis=1)
+        if len(g) % n:
+            raise ValueError(f"sets of {n} blocks do not tile a group of {len(g)}")
+        ends = np.sort(g[:, 1].reshape(-1, n), axis=1)
         tails = (ends[:, -1] - ends[:, -2]) / 1e3
         out.append((float(np.median(tails)), float(tails[np.argmax(ends[:, -1])])))
     return out
@@ -99,12 +101,9 @@ def mark_rows(stamps, groups, q=50):
     """Per group: the q-th percentile over its marked blocks of each mark, then of the end, in us from
     the launch's first entry. Every group has marked blocks (an attention row's first split always
     waits); one without is an error."""
-    st = np.asarray(stamps, dtype=np.int64)
-    t0 = st[:, 0].min()
-    rows, lo = [], 0
-    for n in groups:
-        g = st[lo:lo + n]
-        lo += n
+    t0, parts = by_group(stamps, groups)
+    rows = []
+    for g in parts:
         marked = g[(g[:, 3:] != 0).all(axis=1)]
         if not len(marked):
             raise ValueError(f"group {len(rows)}: no block marked")
@@ -117,12 +116,9 @@ def sm_load(stamps, groups):
     """Per group: {k: (SMs that ran k of the group's blocks, median end of those blocks in us from
     the launch's first entry)}. Where an SM's blocks share its memory throughput, the blocks of SMs
     that ran more of the group end later, and the group's end waits for them."""
-    st = np.asarray(stamps, dtype=np.int64)
-    t0 = st[:, 0].min()
-    out, lo = [], 0
-    for n in groups:
-        g = st[lo:lo + n]
-        lo += n
+    t0, parts = by_group(stamps, groups)
+    out = []
+    for g in parts:
         sms, per_sm = np.unique(g[:, 2], return_counts=True)
         count = dict(zip(sms.tolist(), per_sm.tolist()))
         k_of = np.array([count[s] for s in g[:, 2].tolist()])
