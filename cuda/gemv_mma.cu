@@ -126,17 +126,25 @@
 #if HAS_NORM
   uint32_t nd[SJ][8];
 #endif
+  struct StageItem { int c, m, gl, tt; };   // item c of a slice of ng groups: row m, group gl, lane tt
+  // (clamped: items past the slice load its last. Skipping those loads took the 4B layer from 128
+  // to 161 registers, offline ptxas)
+  auto stage_item = [&](int c0, int j, int ng) {
+    const int c = c0 + j * NW * 32 + threadIdx.x;
+    return StageItem{c, min((c >> 2) % M, M - 1), min((c >> 2) / M, ng - 1), c & 3};
+  };
+  // whether no thread has item j of the step at c0 (uniform: the loops below stop there)
+  auto stage_past = [&](int c0, int j, int ng) { return c0 + j * NW * 32 >= ng * M * 4; };
   auto stage_load = [&](int c0, int g0, int ng) {
 #pragma unroll
     for (int j = 0; j < SJ; ++j) {
-      const int c = c0 + j * NW * 32 + threadIdx.x, tt = c & 3;
-      const int m = min((c >> 2) % M, M - 1), gi = g0 + min((c >> 2) / M, ng - 1);
-      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + gi * 64 + tt * 16);
+      const StageItem it = stage_item(c0, j, ng);
+      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)it.m * K + (g0 + it.gl) * 64 + it.tt * 16);
       const uint4 xa = xp[0], xb = xp[1];
       wd[j][0] = xa.x; wd[j][1] = xa.y; wd[j][2] = xa.z; wd[j][3] = xa.w;
       wd[j][4] = xb.x; wd[j][5] = xb.y; wd[j][6] = xb.z; wd[j][7] = xb.w;
 #if HAS_NORM
-      const uint4* np = reinterpret_cast<const uint4*>(nw + gi * 64 + tt * 16);
+      const uint4* np = reinterpret_cast<const uint4*>(nw + (g0 + it.gl) * 64 + it.tt * 16);
       const uint4 na = np[0], nb = np[1];
       nd[j][0] = na.x; nd[j][1] = na.y; nd[j][2] = na.z; nd[j][3] = na.w;
       nd[j][4] = nb.x; nd[j][5] = nb.y; nd[j][6] = nb.z; nd[j][7] = nb.w;
@@ -216,12 +224,12 @@
   // lanes past the M rows compute on row M - 1's sums (TILE8: on zero columns) and are not stored
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
   // The loaded step's items normalised, permuted and stored in the slice's x, with each group's sum
-  auto stage_convert = [&](int c0, int g0, int ng) {
-    const int items = ng * M * 4;
+  auto stage_convert = [&](int c0, int ng) {
 #pragma unroll
     for (int j = 0; j < SJ; ++j) {
-      const int c = c0 + j * NW * 32 + threadIdx.x, tt = c & 3;
-      const int m = min((c >> 2) % M, M - 1), gl = min((c >> 2) / M, ng - 1);
+      if (stage_past(c0, j, ng)) break;
+      const StageItem it = stage_item(c0, j, ng);
+      const int m = it.m, gl = it.gl, tt = it.tt;
 #if HAS_NORM
 #pragma unroll
       for (int i = 0; i < 8; ++i)   // T(T(x s_inv) nw), a pair at a time
@@ -232,15 +240,14 @@
       for (int i = 0; i < 8; ++i) sx += tval(wd[j][i], 0) + tval(wd[j][i], 1);
       sx += __shfl_xor_sync(0xffffffffu, sx, 1);
       sx += __shfl_xor_sync(0xffffffffu, sx, 2);
-      if (c < items) {
+      if (it.c < ng * M * 4) {
         s_x[((gl * 2 + 0) * M + m) * 4 + tt] = bfrag(wd[j][0], wd[j][1], wd[j][2], wd[j][3]);
         s_x[((gl * 2 + 1) * M + m) * 4 + tt] = bfrag(wd[j][4], wd[j][5], wd[j][6], wd[j][7]);
         if (tt == 0) s_sx[gl * M + m] = sx;
       }
-      if (c0 + (j + 1) * NW * 32 >= items) break;   // (uniform: no thread has an item past it)
     }
   };
-  if (STAGE_EARLY) stage_convert(0, 0, min(KS, NG));   // the first step, loaded before the row norm
+  if (STAGE_EARLY) stage_convert(0, min(KS, NG));   // the first step, loaded before the row norm
 
   for (int s = 0; s < NS; ++s) {
     const int g0 = s * KS, ng = min(KS, NG - g0);
@@ -250,7 +257,7 @@
       // wait for L2 once, not once per item: stage_load); whole warps per step: the sums' shuffles
       for (int c0 = s == 0 && STAGE_EARLY ? SJ * NW * 32 : 0; c0 < ng * M * 4; c0 += SJ * NW * 32) {
         stage_load(c0, g0, ng);
-        stage_convert(c0, g0, ng);
+        stage_convert(c0, ng);
       }
       __syncthreads();
     }
