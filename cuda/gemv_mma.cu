@@ -133,8 +133,6 @@
     const int c = c0 + j * NW * 32 + threadIdx.x;
     return StageItem{c, min((c >> 2) % M, M - 1), min((c >> 2) / M, ng - 1), c & 3};
   };
-  // whether no thread has item j of the step at c0 (uniform: the loops below stop there)
-  auto stage_past = [&](int c0, int j, int ng) { return c0 + j * NW * 32 >= ng * M * 4; };
   auto stage_load = [&](int c0, int g0, int ng) {
 #pragma unroll
     for (int j = 0; j < SJ; ++j) {
@@ -225,9 +223,10 @@
   const int m0 = min(2 * t, M - 1), m1 = min(2 * t + 1, M - 1);
   // The loaded step's items normalised, permuted and stored in the slice's x, with each group's sum
   auto stage_convert = [&](int c0, int ng) {
+    const int items = ng * M * 4;
 #pragma unroll
     for (int j = 0; j < SJ; ++j) {
-      if (stage_past(c0, j, ng)) break;
+      if (c0 + j * NW * 32 >= items) break;   // (uniform: no thread has an item past it)
       const StageItem it = stage_item(c0, j, ng);
       const int m = it.m, gl = it.gl, tt = it.tt;
 #if HAS_NORM
@@ -240,7 +239,7 @@
       for (int i = 0; i < 8; ++i) sx += tval(wd[j][i], 0) + tval(wd[j][i], 1);
       sx += __shfl_xor_sync(0xffffffffu, sx, 1);
       sx += __shfl_xor_sync(0xffffffffu, sx, 2);
-      if (it.c < ng * M * 4) {
+      if (it.c < items) {
         s_x[((gl * 2 + 0) * M + m) * 4 + tt] = bfrag(wd[j][0], wd[j][1], wd[j][2], wd[j][3]);
         s_x[((gl * 2 + 1) * M + m) * 4 + tt] = bfrag(wd[j][4], wd[j][5], wd[j][6], wd[j][7]);
         if (tt == 0) s_sx[gl * M + m] = sx;
