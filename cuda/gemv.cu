@@ -50,7 +50,7 @@
 // group's rows to L2 before it starts the current one; the prologue (norm, staged x) runs once.
 //
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
-// fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], [PHASE_MARKS
+// fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], [NO_EARLY_PREFETCH], [PHASE_MARKS
 // (layer.cuh's marks)], BITS, GS, M, R, NW, VEC, EPI, XK, XT, HAS_NORM (+ EPS), HAS_BIAS, STREAM
 // (0: one row group per block), and for EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS),
 // ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE, ROPE_SCALE, [LEFT_PAD]. Model constants are defines, not
@@ -124,8 +124,11 @@
 #ifdef WAIT_INPUTS
   // A phase of the one-launch layer: the weights do not depend on the
   // earlier phases, so this warp's rows (and their scales/biases) are sent on to L2 before the
-  // block waits for its inputs. Nothing above reads x, res or any earlier phase's output.
+  // block waits for its inputs (not where NO_EARLY_PREFETCH: layer.py says why). Nothing above
+  // reads x, res or any earlier phase's output.
+#ifndef NO_EARLY_PREFETCH
   prefetch_rows(wrow);
+#endif
   WAIT_INPUTS;
 #endif
 

@@ -32,8 +32,8 @@
 //
 // Optional input RMSNorm (HAS_NORM, row_norm.cuh): x <- T(T(x * s_inv) * nw) as it is staged, the
 // rounding points of mx.fast.rms_norm. Before WAIT_INPUTS (a phase of the one-launch layer) the
-// first tile's rows go to L2 and its first chunk into registers: nothing read before it depends on
-// the earlier phases.
+// first tile's first chunk goes into registers and, unless NO_EARLY_PREFETCH, its rows to L2:
+// nothing read before it depends on the earlier phases.
 //
 // Epilogues (EPI): 1 residual y[m, n] = T(res[m, n] + T(acc)); 2 swiglu y[m, j] =
 // T(T(silu(T(acc_gate))) * T(acc_up)), gate row j, up row j + N/2 (gemv.cu's rounding points);
@@ -41,7 +41,7 @@
 // each: STREAM 0) runs head.cuh's epilogue, as gemv.cu's EPI 3 does.
 // Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM,
 // TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS],
-// [PHASE_MARKS]; EPI 3: head.cuh's (L, H, HKV, D, ...).
+// [NO_EARLY_PREFETCH], [PHASE_MARKS]; EPI 3: head.cuh's (L, H, HKV, D, ...).
 // KS, TPB and STREAM are planned for one K and N (gemv.py's mma_plan; builds are keyed on shapes).
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [res [M, N]];
 // EPI 3: head.cuh's inputs, then cnt (a ticket per head). Output: y [M, N] (EPI 2: [M, N/2]); EPI 3:
@@ -105,7 +105,9 @@
   item(BLOCK_X, 0);
   if (cb < ce) load(ka, cb);
 #ifdef WAIT_INPUTS
+#ifndef NO_EARLY_PREFETCH
   prefetch_item();
+#endif
   WAIT_INPUTS;
 #endif
 

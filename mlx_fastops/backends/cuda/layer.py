@@ -105,7 +105,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     marks = {"PHASE_MARKS": 1} if stamps else {}
     st = ["stamps"] if stamps else []
 
-    def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
+    def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd, early_prefetch=True):
         if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0, large):
             plan = mma_plan(M, K, N, epi)
             stage_bytes, launched = mma_stage_bytes(M, N, epi, plan), plan[2]
@@ -121,6 +121,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
             src = "gemv.cu"
         smem[0] = max(smem[0], stage_bytes)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS=waits, **marks)
+        if not early_prefetch:
+            d["NO_EARLY_PREFETCH"] = 1
         header.append(_phase(name, src, d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
                              gemv_outputs(epi) + st, shaped=("w",), strided=cache_inputs(head) if hd else ()))
         sizes.append(launched)
@@ -138,8 +140,11 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     header.append(_phase("layer_attn", "quantized_attention.cu" if head.get("kv") else "attention.cu", ad, dtype,
                          attn_in + _WAITS, ["o", "pm", "po"] + st, strided=cache_inputs(head)))
     sizes.append(nsplit * ys * M)
-    gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
-    gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None)
+    # On large layers the o_proj and gate/up blocks, which enter while attention runs, send no rows
+    # to L2 before their wait: those prefetches slowed the attention's merge more than they sped
+    # the phases (design doc, "Prefetch before wait").
+    gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None, early_prefetch=not large)
+    gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None, early_prefetch=not large)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
     assert len(sizes) == LAYER_GROUPS
     groups = sizes * nlayers   # group g = LAYER_GROUPS * layer + phase, each waiting for g - 1
