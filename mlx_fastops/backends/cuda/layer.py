@@ -89,7 +89,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     carry the suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
     `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
-    cores from 2 rows, and at one row where its tiles fill more than half the wave)."""
+    cores from 2 rows, and at one row where its tiles fill more than half the wave; o_proj and
+    gate/up send no rows to L2 before their wait)."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -141,8 +142,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                          attn_in + _WAITS, ["o", "pm", "po"] + st, strided=cache_inputs(head)))
     sizes.append(nsplit * ys * M)
     # On large layers the o_proj and gate/up blocks, which enter while attention runs, send no rows
-    # to L2 before their wait: those prefetches slowed the attention's merge more than they sped
-    # the phases (design doc, "Prefetch before wait").
+    # to L2 before their wait: those prefetches slowed attention's merge as much as or more than
+    # they sped their phases (design doc, "Prefetch before wait").
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None, early_prefetch=not large)
     gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None, early_prefetch=not large)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
