@@ -52,10 +52,10 @@
 // Defines set by the wrapper: T, BLOCK_X (blockIdx.x, or the block's index within its phase of a
 // fused launch), [WAIT_INPUTS (a fused launch: the wait for the earlier phases)], [NO_EARLY_PREFETCH
 // (no rows to L2 before WAIT_INPUTS)], [PHASE_MARKS (layer.cuh's marks)], BITS, GS, M, R, NW, VEC,
-// EPI, XK, XT, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for EPI 3: L (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS),
-// ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE, ROPE_SCALE, [LEFT_PAD]. Model constants are defines, not
-// inputs: MLX keeps arrays of 8 bytes or less in a small managed-memory pool that the host writes
-// too, and reading one from a kernel can fault.
+// EPI, XK, XT, HAS_NORM (+ EPS), HAS_BIAS, STREAM (0: one row group per block), and for EPI 3: L
+// (tokens), H, HKV, D, HAS_QKNORM (+ QEPS, KEPS), ROPE_TRAD, ROPE_FREQS, ROPE_LOG2_BASE, ROPE_SCALE,
+// [LEFT_PAD]. Model constants are defines, not inputs: MLX keeps arrays of 8 bytes or less in a
+// small managed-memory pool that the host writes too, and reading one from a kernel can fault.
 //
 // Inputs (names): x, w, sc, bi, [nw], [bias], [res], EPI 3: [qn, kn], off, [lp], [rf], kc, vc, cnt.
 // Outputs: y, or for EPI 3: yq, ys
