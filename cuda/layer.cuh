@@ -90,7 +90,11 @@ __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
       __nanosleep(200);
     }
 #ifdef __CUDA_ARCH__
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");   // the arrivals' writes before this block's reads
+    // one acquire load of the counter, not a fence: the arrivals' writes (released by their adds)
+    // before this block's reads, and the phase tables' layers 0.4-1.6 us shorter (design doc)
+    int seen;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(ctr + g) : "memory");
+    (void)seen;
 #endif
   }
   __syncthreads();

@@ -128,7 +128,11 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                              gemv_outputs(epi) + st, shaped=("w",), strided=cache_inputs(head) if hd else ()))
         sizes.append(launched)
 
-    gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
+    # On large layers no phase but down sends rows to L2 before its wait: QKV at one row took 1-2 us
+    # less without its prefetches, and the o_proj and gate/up blocks enter while attention runs,
+    # where theirs slowed its merge as much as or more than they sped their phases (design doc,
+    # "Prefetch before wait").
+    gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head, early_prefetch=not large)
     ad = attn_defines(L, H, HKV, D, scale, gb)
     if head.get("lpad"):
         ad["LEFT_PAD"] = 1
@@ -141,9 +145,6 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     header.append(_phase("layer_attn", "quantized_attention.cu" if head.get("kv") else "attention.cu", ad, dtype,
                          attn_in + _WAITS, ["o", "pm", "po"] + st, strided=cache_inputs(head)))
     sizes.append(nsplit * ys * M)
-    # On large layers the o_proj and gate/up blocks, which enter while attention runs, send no rows
-    # to L2 before their wait: those prefetches slowed attention's merge as much as or more than
-    # they sped their phases (design doc, "Prefetch before wait").
     gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None, early_prefetch=not large)
     gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None, early_prefetch=not large)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
