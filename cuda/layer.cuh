@@ -91,7 +91,7 @@ __device__ __forceinline__ void layer_wait(const int* ctr, int g, int n) {
     }
 #ifdef __CUDA_ARCH__
     // one acquire load of the counter, not a fence: the arrivals' writes (released by their adds)
-    // before this block's reads, and the phase tables' layers 0.4-1.6 us shorter (design doc)
+    // before this block's reads, and the phase tables' layers 0.4-1.9 us shorter (design doc)
     int seen;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(ctr + g) : "memory");
     (void)seen;

@@ -89,8 +89,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     carry the suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
     `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
-    cores from 2 rows, and at one row where its tiles fill more than half the wave; o_proj and
-    gate/up send no rows to L2 before their wait)."""
+    cores from 2 rows, and at one row where its tiles fill more than half the wave; QKV, o_proj
+    and gate/up send no rows to L2 before their wait)."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -128,8 +128,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                              gemv_outputs(epi) + st, shaped=("w",), strided=cache_inputs(head) if hd else ()))
         sizes.append(launched)
 
-    # On large layers no phase but down sends rows to L2 before its wait: QKV at one row took 1-2 us
-    # less without its prefetches, and the o_proj and gate/up blocks enter while attention runs,
+    # On large layers no GEMV phase but down sends rows to L2 before its wait: QKV at one row took
+    # 0.6-1.9 us less without its prefetches (their issue no longer delays its start), and the o_proj and gate/up blocks enter while attention runs,
     # where theirs slowed its merge as much as or more than they sped their phases (design doc,
     # "Prefetch before wait").
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head, early_prefetch=not large)
