@@ -129,9 +129,9 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
         sizes.append(launched)
 
     # On large layers no GEMV phase but down sends rows to L2 before its wait: QKV at one row took
-    # 0.6-1.9 us less without its prefetches (their issue no longer delays its start), and the o_proj and gate/up blocks enter while attention runs,
-    # where theirs slowed its merge as much as or more than they sped their phases (design doc,
-    # "Prefetch before wait").
+    # 0.6-1.9 us less without its prefetches (their issue no longer delays its start), and the
+    # o_proj and gate/up blocks enter while attention runs, where theirs slowed its merge as much as
+    # or more than they sped their phases (design doc, "Prefetch before wait").
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head, early_prefetch=not large)
     ad = attn_defines(L, H, HKV, D, scale, gb)
     if head.get("lpad"):
