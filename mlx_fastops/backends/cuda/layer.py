@@ -89,8 +89,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     carry the suffix j (x, off, the tickets and the counters are shared); layer j > 0 reads the
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
     `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
-    cores from 2 rows, and at one row where its tiles fill more than half the wave; QKV, o_proj
-    and gate/up send no rows to L2 before their wait)."""
+    cores from 2 rows, and at one row where its tiles fill more than half the wave; no GEMV phase
+    sends rows to L2 before its wait)."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -106,7 +106,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     marks = {"PHASE_MARKS": 1} if stamps else {}
     st = ["stamps"] if stamps else []
 
-    def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd, early_prefetch=True):
+    def gemv_phase(name, bits, gs, N, K, epi, eps, has_bias, res, hd):
         if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0, large):
             plan = mma_plan(M, K, N, epi)
             stage_bytes, launched = mma_stage_bytes(M, N, epi, plan), plan[2]
@@ -122,17 +122,17 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
             src = "gemv.cu"
         smem[0] = max(smem[0], stage_bytes)
         d.update(BLOCK_X="blk", BLOCK_Y=0, BLOCK_Z=0, GRID_X=0, WAIT_INPUTS=waits, **marks)
-        if not early_prefetch:
+        if large:
             d["NO_EARLY_PREFETCH"] = 1
         header.append(_phase(name, src, d, dtype, gemv_inputs(eps is not None, has_bias, res, hd) + _WAITS,
                              gemv_outputs(epi) + st, shaped=("w",), strided=cache_inputs(head) if hd else ()))
         sizes.append(launched)
 
-    # On large layers no GEMV phase but down sends rows to L2 before its wait: QKV at one row took
-    # 0.6-1.9 us less without its prefetches (their issue no longer delays its start), and the
-    # o_proj and gate/up blocks enter while attention runs, where theirs slowed its merge as much as
-    # or more than they sped their phases (design doc, "Prefetch before wait").
-    gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head, early_prefetch=not large)
+    # On large layers no GEMV phase sends rows to L2 before its wait: each phase's blocks enter while
+    # the one before runs, and their prefetches took its bandwidth (gate/up's, down's) or slowed its
+    # end (attention's merge) more than they sped their own phase; QKV's delayed its start
+    # (design doc, "Prefetch before wait").
+    gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
     if head.get("lpad"):
         ad["LEFT_PAD"] = 1
@@ -145,8 +145,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     header.append(_phase("layer_attn", "quantized_attention.cu" if head.get("kv") else "attention.cu", ad, dtype,
                          attn_in + _WAITS, ["o", "pm", "po"] + st, strided=cache_inputs(head)))
     sizes.append(nsplit * ys * M)
-    gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None, early_prefetch=not large)
-    gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None, early_prefetch=not large)
+    gemv_phase("layer_o", ob, og, oN, oK, 1, None, False, True, None)
+    gemv_phase("layer_gate_up", ub, ug, uN, uK, 2, eps_post, False, False, None)
     gemv_phase("layer_down", db, dg, dN, dK, 1, None, False, True, None)
     assert len(sizes) == LAYER_GROUPS
     groups = sizes * nlayers   # group g = LAYER_GROUPS * layer + phase, each waiting for g - 1
