@@ -202,7 +202,7 @@ def cases():
               ("qwen3-4b", 4, {**q06, "H": 32}, 9, shapes4b, False, 1, False),
               ("qwen3-8b", 3, {**q06, "H": 32}, 11, shapes8b, False, 1, False),
               ("qwen3-8b", 8, {**q06, "H": 32}, 5, shapes8b, False, 1, False),
-              # 8-bit weights: every GEMV phase of a large layer on gemv.cu, all but down with no rows to L2 before the wait
+              # 8-bit weights: every GEMV phase of a large layer on gemv.cu, none sending rows to L2 before its wait
               ("qwen3-8b b8", 1, {**q06, "H": 32}, 17, tuple((8, 64, N, K) for _, _, N, K in shapes8b), False, 1, False),
               ("qwen2.5-0.5b", 1, q25, 33, shapes25, True, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 1, False),

@@ -21,7 +21,7 @@ from .source import HALF, MAX_ROWS, offset_array, tickets
 # layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the H200) and measured no faster on
 # large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound. A layer over it has a
 # launch of its own, whose QKV phase runs on tensor cores from 2 rows, and at one row where its tiles
-# fill more than half the wave, and whose QKV, o_proj and gate/up send no rows to L2 before their wait
+# fill more than half the wave, and whose GEMV phases send no rows to L2 before their wait
 # (layer_build's `large`).
 GROUP_MAX_WEIGHTS = 64 << 20
 

@@ -129,9 +129,9 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
         sizes.append(launched)
 
     # On large layers no GEMV phase sends rows to L2 before its wait: each phase's blocks enter while
-    # the one before runs, and their prefetches took its bandwidth (gate/up's, down's) or slowed its
-    # end (attention's merge) more than they sped their own phase; QKV's delayed its start
-    # (design doc, "Prefetch before wait").
+    # the one before runs, and their prefetches cost it more than they sped their own phase (down's
+    # took gate/up's bandwidth; o_proj's and gate/up's slowed attention's merge); QKV's delayed its
+    # start (design doc, "Prefetch before wait").
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
     if head.get("lpad"):
