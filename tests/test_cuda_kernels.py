@@ -743,7 +743,8 @@ def test_phase_set_tails(sets, tails):
 def test_decode_step_with_layers_sharing_launches(monkeypatch):
     """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with both layers
     in one launch (the default for small layers) gives the same logits as with one launch per layer
-    (layers above GROUP_MAX_WEIGHTS); the report's compile row says how many launches."""
+    (layers above GROUP_MAX_WEIGHTS) and as large layers sharing a launch (LARGE_LAYERS_PER_LAUNCH);
+    the report's compile row says how many launches."""
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
@@ -753,9 +754,12 @@ def test_decode_step_with_layers_sharing_launches(monkeypatch):
     mx.disable_compile()
     try:
         wide = "; decode steps of over 8 rows: the composed ops (a weight qmm does not take)"   # hidden size 192
-        for limit, runs, note in ((block.GROUP_MAX_WEIGHTS, [(0, 2)], "2 layers in 1 launch" + wide),
-                                  (0, [(0, 1), (1, 1)], "2 layers in 2 launches" + wide)):
+        for limit, large_per_launch, runs, note in (
+                (block.GROUP_MAX_WEIGHTS, 1, [(0, 2)], "2 layers in 1 launch" + wide),
+                (0, 1, [(0, 1), (1, 1)], "2 layers in 2 launches" + wide),
+                (0, 2, [(0, 2)], "2 layers in 1 launch" + wide)):
             monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
+            monkeypatch.setattr(step, "LARGE_LAYERS_PER_LAUNCH", large_per_launch)
             model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=4)
             report = mlx_fastops.patch(model)
             assert [(e.status, e.reason) for e in report.entries if e.fusion == "compile"] == [("fused", note)]
@@ -766,16 +770,22 @@ def test_decode_step_with_layers_sharing_launches(monkeypatch):
     finally:
         mx.enable_compile()
     assert np.isfinite(np.asarray(logits[0])).all()
-    assert mx.array_equal(logits[0], logits[1])
+    assert all(mx.array_equal(logits[0], other) for other in logits[1:])
 
 
-def test_launch_runs():
+def test_launch_runs(monkeypatch):
     """Consecutive groupable layers of one launch key share a launch; a layer that is not
-    groupable, or of another key, starts a new launch."""
+    groupable, or of another key, starts a new launch; large layers share one up to
+    LARGE_LAYERS_PER_LAUNCH."""
     from types import SimpleNamespace
     keys = [1, 1, 1, 1, 1, 1, 1, 2, 2, 2]
     fasts = [SimpleNamespace(grouped=i not in (0, 9), launch_key=lambda k=k: k) for i, k in enumerate(keys)]
     assert step.launch_runs(fasts) == [(0, 1), (1, 6), (7, 2), (9, 1)]
+    large = [SimpleNamespace(grouped=False, launch_key=lambda k=k: k) for k in keys]
+    for per_launch, runs in ((1, [(i, 1) for i in range(10)]), (3, [(0, 3), (3, 3), (6, 1), (7, 3)]),
+                             (36, [(0, 7), (7, 3)])):
+        monkeypatch.setattr(step, "LARGE_LAYERS_PER_LAUNCH", per_launch)
+        assert step.launch_runs(large) == runs
 
 
 @pytest.mark.parametrize("limit,grouped", [(1.0, True), (0.99, False)])

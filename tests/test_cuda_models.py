@@ -218,7 +218,7 @@ def test_qwen3_0p6b_patched_at_least_as_close_to_fp32_as_stock(monkeypatch):
     assert not verdict["problems"], verdict["problems"]
 
 
-@pytest.mark.parametrize("name,layers", [("qwen3-0.6b", 8), ("llama-3.2-1b", 8)])
+@pytest.mark.parametrize("name,layers", [("qwen3-0.6b", 8), ("llama-3.2-1b", 8), ("qwen3-4b", 3)])
 def test_layers_in_one_launch_bitwise_at_real_sizes(name, layers, monkeypatch):
     """All layers of a real-size model in one launch give exactly the per-layer launches' output and
     cache rows, and the same again on a rerun; the compiled decode step's logits are the same with
@@ -260,8 +260,9 @@ def test_layers_in_one_launch_bitwise_at_real_sizes(name, layers, monkeypatch):
     prompt = mx.random.randint(0, 1000, (64,), key=mx.random.key(1))
     tokens = mx.random.randint(0, 1000, (12,), key=mx.random.key(2))
     logits = {}
-    for limit in (block.GROUP_MAX_WEIGHTS, 0):
+    for limit, large_per_launch in ((block.GROUP_MAX_WEIGHTS, layers), (0, 1)):
         monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
+        monkeypatch.setattr(step, "LARGE_LAYERS_PER_LAUNCH", large_per_launch)
         m = synthetic_model(name, bits=4, layers=layers, dtype=mx.bfloat16)
         mlx_fastops.patch(m)
         per_launch = max(n for _, n in step.launch_runs([b.fast_fn for b in m.model.layers]))

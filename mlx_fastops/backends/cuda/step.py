@@ -105,16 +105,22 @@ class _Step:
 _INNER_CLASSES = {}
 
 
+# Large layers (not `grouped`: block.GROUP_MAX_WEIGHTS) per launch. In a shared launch the next
+# layer's QKV blocks enter as the last phase's leave and load their first weights before their wait,
+# where a launch of its own starts them after the previous launch drains.
+LARGE_LAYERS_PER_LAUNCH = 1
+
+
 def launch_runs(fasts):
     """[(first block, blocks)] in order: consecutive `grouped` blocks of one launch_key share a
-    launch; any other block has one of its own."""
+    launch, as do up to LARGE_LAYERS_PER_LAUNCH consecutive large blocks of one launch_key."""
     runs, i = [], 0
     while i < len(fasts):
+        cap = len(fasts) if fasts[i].grouped else LARGE_LAYERS_PER_LAUNCH
         n = 1
-        if fasts[i].grouped:
-            while (i + n < len(fasts) and fasts[i + n].grouped
-                   and fasts[i + n].launch_key() == fasts[i].launch_key()):
-                n += 1
+        while (n < cap and i + n < len(fasts) and fasts[i + n].grouped == fasts[i].grouped
+               and fasts[i + n].launch_key() == fasts[i].launch_key()):
+            n += 1
         runs.append((i, n))
         i += n
     return runs
