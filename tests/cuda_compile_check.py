@@ -176,7 +176,8 @@ def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
         "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") or base(n) == "lp" else ("float" if base(n) == "rf" else T))
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
-    return wrap(f"layer_m{M}", kw["source"], ins, outs, kw["header"]), 128
+    # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel)
+    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128
 
 
 def cases():

@@ -156,7 +156,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                         if not isinstance(a, str) and not a[1])   # a layer's own arrays, in call order
     inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"] + [f"{b}{j}" for j in range(nlayers) for b in own]
     body = (_loop_body if nlayers > 1 else _one_layer_body)(phase_args, sizes, nlayers, stamps)
-    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
+    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0], large and nlayers > 1), groups, inputs
 
 
 def _dispatch(calls, sizes, group, picks, reset, stamps):
@@ -231,12 +231,22 @@ def _counter_reset(group, arrivals, counters, only_if=""):
             f"    for (int i = 0; i < {counters}; ++i) const_cast<int*>(ctr)[i] = 0;", "  }", "}"]
 
 
-def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
+def _layer_kernel(header, body, inputs, nlayers, stamps, smem, bounded):
     # MLX puts the header before its `namespace mlx::core::cu {` (where Shape and Strides live)
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
     outputs += ["stamps"] if stamps else []
-    return cuda_kernel(name=kernel_name("layer", header + body), input_names=inputs, output_names=outputs,
+    name = kernel_name("layer", header + body)
+    if bounded:
+        # Large layers sharing a launch: their per-layer input switch took offline ptxas to 130
+        # registers at one row and 156 at 4 (3 blocks per SM, where gemv.RESIDENT_BLOCKS counts 4);
+        # capped, 127-128 and no spills. MLX writes `__global__ void custom_kernel_<name>(`; the
+        # macro makes it `__global__ void __launch_bounds__(128, 4) custom_kernel_<name>(`, and the
+        # body undefines it.
+        k = f"custom_kernel_{name}"
+        header += f"#define {k} __launch_bounds__(128, 4) {k}\n"
+        body = f"#undef {k}\n" + body
+    return cuda_kernel(name=name, input_names=inputs, output_names=outputs,
                        header=header, source=body, ensure_row_contiguous=False, shared_memory=smem)
 
 
