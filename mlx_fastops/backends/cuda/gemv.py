@@ -20,7 +20,8 @@ from .head import cache_inputs, head_defines
 from .source import CTYPE, HALF, MAX_ROWS, flt, kernel_name, rows, source
 
 # Blocks of 128 threads resident at once on the H200 (132 SMs, 4 blocks each at <= 128 registers).
-RESIDENT_BLOCKS = 4 * 132
+BLOCKS_PER_SM = 4
+RESIDENT_BLOCKS = BLOCKS_PER_SM * 132
 ONE_WAVE_MIN_K = 2048   # rows this long take more rows per warp rather than a second wave
 ACCUMULATORS_MAX = 8   # per lane, beside 8- or 16-byte loads of 2-4 rows: weight rows per warp x rows
 HEAD_QMM_FROM = 2   # lm_head rows from which the tensor-core qmm takes over from the GEMV (lm_head below)

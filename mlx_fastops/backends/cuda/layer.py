@@ -28,8 +28,8 @@ import mlx.core as mx
 
 from ...kernels import cached_builder, cuda_kernel, read_source
 from .attention import attn_defines, attn_partials
-from .gemv import (gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, mma_defines, mma_plan,
-                   mma_stage_bytes, mma_takes, stream_blocks, x_stage, x_stage_bytes)
+from .gemv import (BLOCKS_PER_SM, gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, mma_defines,
+                   mma_plan, mma_stage_bytes, mma_takes, stream_blocks, x_stage, x_stage_bytes)
 from .head import cache_inputs
 from .phases import STAMP_COLS, layer_sets
 from .source import CTYPE, STANDALONE, kernel_name, source
@@ -90,7 +90,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
     `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
     cores from 2 rows, and at one row where its tiles fill more than half the wave; no GEMV phase
-    sends rows to L2 before its wait)."""
+    sends rows to L2 before its wait; 3 or more in a launch capped at 128 registers)."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -156,7 +156,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                         if not isinstance(a, str) and not a[1])   # a layer's own arrays, in call order
     inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"] + [f"{b}{j}" for j in range(nlayers) for b in own]
     body = (_loop_body if nlayers > 1 else _one_layer_body)(phase_args, sizes, nlayers, stamps)
-    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0], large and nlayers > 1), groups, inputs
+    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0], large and nlayers > 2), groups, inputs
 
 
 def _dispatch(calls, sizes, group, picks, reset, stamps):
@@ -236,15 +236,15 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem, bounded):
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
     outputs += ["stamps"] if stamps else []
-    name = kernel_name("layer", header + body)
+    name = kernel_name("layer", header + body + f"bounded={bounded}")   # MLX caches modules by name
     if bounded:
-        # Large layers sharing a launch: their per-layer input switch took offline ptxas to 130
-        # registers at one row and 156 at 4 (3 blocks per SM, where gemv.RESIDENT_BLOCKS counts 4);
-        # capped, 127-128 and no spills. MLX writes `__global__ void custom_kernel_<name>(`; the
-        # macro makes it `__global__ void __launch_bounds__(128, 4) custom_kernel_<name>(`, and the
-        # body undefines it.
+        # 3 or more large layers in a launch: their per-layer input switch took offline ptxas to 130
+        # registers at one row and 156 at 4 (3 blocks per SM, not gemv.BLOCKS_PER_SM); capped,
+        # 127-128 and no spills (2 layers fit 128 uncapped, and spill 16-20 bytes at 4 rows capped).
+        # MLX writes `__global__ void custom_kernel_<name>(`; the macro makes it `__global__ void
+        # __launch_bounds__(128, BLOCKS_PER_SM) custom_kernel_<name>(`; the body undefines it.
         k = f"custom_kernel_{name}"
-        header += f"#define {k} __launch_bounds__(128, 4) {k}\n"
+        header += f"#define {k} __launch_bounds__(128, {BLOCKS_PER_SM}) {k}\n"
         body = f"#undef {k}\n" + body
     return cuda_kernel(name=name, input_names=inputs, output_names=outputs,
                        header=header, source=body, ensure_row_contiguous=False, shared_memory=smem)

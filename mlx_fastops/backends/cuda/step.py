@@ -4,8 +4,8 @@
 has a FastBlock, the model's make_cache returns StaticKVCaches and model.model's class is swapped
 for one whose decode call over those caches (`_Step.takes`: B * L <= MAX_ROWS tokens, or a decode
 step of up to QMM_MAX_ROWS rows) is one compiled function: embedding, the layers, final norm. Up
-to MAX_ROWS tokens the layers are the one-launch layers (consecutive small layers sharing one:
-launch_runs); decode steps of more rows run FastBlock.wide's five launches a
+to MAX_ROWS tokens the layers are the one-launch layers (consecutive small layers sharing one, large
+ones up to LARGE_LAYERS_PER_LAUNCH: launch_runs); decode steps of more rows run FastBlock.wide's five launches a
 layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
 generate_step's kv_bits converts them to StaticQuantizedKVCaches (4/8 bits), which the same step
 takes up to MAX_ROWS rows (the one-launch layers quantising each new k/v row); mlx-lm's
