@@ -743,8 +743,8 @@ def test_phase_set_tails(sets, tails):
 def test_decode_step_with_layers_sharing_launches(monkeypatch):
     """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with both layers
     in one launch (the default for small layers) gives the same logits as with one launch per layer
-    (layers above GROUP_MAX_WEIGHTS) and as large layers sharing a launch (LARGE_LAYERS_PER_LAUNCH);
-    the report's compile row says how many launches."""
+    (layers above GROUP_MAX_WEIGHTS) and as large layers sharing a launch at one row
+    (LARGE_SHARED_MAX_ROWS); the report's compile row says how many launches at which rows."""
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
@@ -754,16 +754,16 @@ def test_decode_step_with_layers_sharing_launches(monkeypatch):
     mx.disable_compile()
     try:
         wide = "; decode steps of over 8 rows: the composed ops (a weight qmm does not take)"   # hidden size 192
-        for limit, large_per_launch, runs, note in (
-                (block.GROUP_MAX_WEIGHTS, 1, [(0, 2)], "2 layers in 1 launch" + wide),
-                (0, 1, [(0, 1), (1, 1)], "2 layers in 2 launches" + wide),
-                (0, 2, [(0, 2)], "2 layers in 1 launch" + wide)):
+        for limit, shared_rows, runs, note in (
+                (block.GROUP_MAX_WEIGHTS, 0, [(0, 2)], "2 layers in 1 launch" + wide),
+                (0, 0, [(0, 1), (1, 1)], "2 layers in 2 launches" + wide),
+                (0, 1, [(0, 2)], "2 layers in 1 launch at 1 row, 2 launches at 2-8 rows" + wide)):
             monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
-            monkeypatch.setattr(step, "LARGE_LAYERS_PER_LAUNCH", large_per_launch)
+            monkeypatch.setattr(step, "LARGE_SHARED_MAX_ROWS", shared_rows)
             model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=4)
             report = mlx_fastops.patch(model)
             assert [(e.status, e.reason) for e in report.entries if e.fusion == "compile"] == [("fused", note)]
-            assert step.launch_runs(model.model._fastops_blocks) == runs
+            assert step.launch_runs(model.model._fastops_blocks, 1) == runs
             logits.append(fidelity.forced_logits(model, prompt, [7, 99, 1234]))
             assert "_fastops_off" in model.model.__dict__, "the decode step was not used"
             mlx_fastops.unpatch(model)
@@ -774,18 +774,21 @@ def test_decode_step_with_layers_sharing_launches(monkeypatch):
 
 
 def test_launch_runs(monkeypatch):
-    """Consecutive groupable layers of one launch key share a launch; a layer that is not
-    groupable, or of another key, starts a new launch; large layers share one up to
-    LARGE_LAYERS_PER_LAUNCH."""
+    """Consecutive groupable layers of one launch key share a launch at any row count; a layer that
+    is not groupable, or of another key, starts a new launch; large layers of one key share one in
+    steps of up to LARGE_SHARED_MAX_ROWS rows."""
     from types import SimpleNamespace
     keys = [1, 1, 1, 1, 1, 1, 1, 2, 2, 2]
     fasts = [SimpleNamespace(grouped=i not in (0, 9), launch_key=lambda k=k: k) for i, k in enumerate(keys)]
-    assert step.launch_runs(fasts) == [(0, 1), (1, 6), (7, 2), (9, 1)]
     large = [SimpleNamespace(grouped=False, launch_key=lambda k=k: k) for k in keys]
-    for per_launch, runs in ((1, [(i, 1) for i in range(10)]), (3, [(0, 3), (3, 3), (6, 1), (7, 3)]),
-                             (36, [(0, 7), (7, 3)])):
-        monkeypatch.setattr(step, "LARGE_LAYERS_PER_LAUNCH", per_launch)
-        assert step.launch_runs(large) == runs
+    mixed = [(0, 1), (1, 6), (7, 2), (9, 1)]
+    apart = [(i, 1) for i in range(10)]
+    for shared_rows, rows, runs, large_runs in ((1, 1, mixed, [(0, 7), (7, 3)]), (1, 2, mixed, apart),
+                                                (0, 1, mixed, apart), (4, 4, mixed, [(0, 7), (7, 3)]),
+                                                (4, 8, mixed, apart)):
+        monkeypatch.setattr(step, "LARGE_SHARED_MAX_ROWS", shared_rows)
+        assert step.launch_runs(fasts, rows) == runs
+        assert step.launch_runs(large, rows) == large_runs
 
 
 @pytest.mark.parametrize("limit,grouped", [(1.0, True), (0.99, False)])

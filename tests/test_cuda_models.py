@@ -260,12 +260,12 @@ def test_layers_in_one_launch_bitwise_at_real_sizes(name, layers, monkeypatch):
     prompt = mx.random.randint(0, 1000, (64,), key=mx.random.key(1))
     tokens = mx.random.randint(0, 1000, (12,), key=mx.random.key(2))
     logits = {}
-    for limit, large_per_launch in ((block.GROUP_MAX_WEIGHTS, layers), (0, 1)):
+    for limit, shared_rows in ((block.GROUP_MAX_WEIGHTS, 1), (0, 0)):
         monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
-        monkeypatch.setattr(step, "LARGE_LAYERS_PER_LAUNCH", large_per_launch)
+        monkeypatch.setattr(step, "LARGE_SHARED_MAX_ROWS", shared_rows)
         m = synthetic_model(name, bits=4, layers=layers, dtype=mx.bfloat16)
         mlx_fastops.patch(m)
-        per_launch = max(n for _, n in step.launch_runs([b.fast_fn for b in m.model.layers]))
+        per_launch = max(n for _, n in step.launch_runs([b.fast_fn for b in m.model.layers], 1))
         logits[per_launch] = [fidelity.forced_logits(m, prompt, tokens) for _ in range(2)]
         mx.eval(logits[per_launch])
         del m

@@ -18,11 +18,11 @@ from .qmm import QMM_MAX_ROWS, head_tickets, norm_tickets, qmm, qmm_head, takes_
 from .source import HALF, MAX_ROWS, offset_array, tickets
 
 # Several layers per launch (step.launch_runs) win on small layers (Qwen3-0.6B 15M weights per
-# layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the H200) and measured no faster on
-# large ones (Qwen3-4B 96M, 8B 184M: docs/cuda-design.md), hence the bound. A layer over it shares
-# a launch only with up to step.LARGE_LAYERS_PER_LAUNCH - 1 neighbours; its QKV phase runs on tensor
-# cores from 2 rows, and at one row where its tiles fill more than half the wave, and its GEMV phases
-# send no rows to L2 before their wait (layer_build's `large`).
+# layer (M = 2^20), Llama-3.2-1B 58M: 1.25-1.4x decode on the H200) at every row count; on large
+# ones (Qwen3-4B 96M, 8B 184M) only at one row (8B lost 1-6% at 4 and 8 rows: docs/cuda-design.md),
+# hence the bound. A layer over it shares a launch only in steps of up to step.LARGE_SHARED_MAX_ROWS
+# rows; its QKV phase runs on tensor cores from 2 rows, and at one row where its tiles fill more
+# than half the wave, and its GEMV phases send no rows to L2 before their wait (layer_build's `large`).
 GROUP_MAX_WEIGHTS = 64 << 20
 
 

@@ -5,8 +5,8 @@ has a FastBlock, the model's make_cache returns StaticKVCaches and model.model's
 for one whose decode call over those caches (`_Step.takes`: B * L <= MAX_ROWS tokens, or a decode
 step of up to QMM_MAX_ROWS rows) is one compiled function: embedding, the layers, final norm. Up
 to MAX_ROWS tokens the layers are the one-launch layers (consecutive small layers sharing one, large
-ones up to LARGE_LAYERS_PER_LAUNCH: launch_runs); decode steps of more rows run FastBlock.wide's five launches a
-layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
+ones at up to LARGE_SHARED_MAX_ROWS rows: launch_runs); decode steps of more rows run FastBlock.wide's
+five launches a layer (qmm on tensor cores), unless the `prefill` switch (qmm's) is off.
 generate_step's kv_bits converts them to StaticQuantizedKVCaches (4/8 bits), which the same step
 takes up to MAX_ROWS rows (the one-launch layers quantising each new k/v row); mlx-lm's
 BatchGenerator merges them into StaticBatchKVCaches (left-padded rows, one write index), which the
@@ -105,25 +105,39 @@ class _Step:
 _INNER_CLASSES = {}
 
 
-# Large layers (not `grouped`: block.GROUP_MAX_WEIGHTS) per launch. In a shared launch the next
-# layer's QKV blocks enter as the last phase's leave and load their first weights before their wait,
-# where a launch of its own starts them after the previous launch drains.
-LARGE_LAYERS_PER_LAUNCH = 1
+# Steps of up to this many rows (B * L) run consecutive large layers (not `grouped`:
+# block.GROUP_MAX_WEIGHTS) of one launch_key in one launch; larger steps one launch each. At one row
+# the shared launch keeps decode GPU-bound where the host is slow to issue 36 launches a step (H100,
+# cuda_ab.py: Qwen3-4B tg128 520 vs 367, 8B 388 vs 330 tok/s); at 4 and 8 rows it cost Qwen3-8B
+# 1-6% (docs/cuda-design.md, "Layers per launch").
+LARGE_SHARED_MAX_ROWS = 1
 
 
-def launch_runs(fasts):
-    """[(first block, blocks)] in order: consecutive `grouped` blocks of one launch_key share a
-    launch, as do up to LARGE_LAYERS_PER_LAUNCH consecutive large blocks of one launch_key."""
+def launch_runs(fasts, rows):
+    """[(first block, blocks)] in order, for a step of `rows` rows: consecutive `grouped` blocks of
+    one launch_key share a launch, as do consecutive large ones where rows <= LARGE_SHARED_MAX_ROWS."""
     runs, i = [], 0
     while i < len(fasts):
-        cap = len(fasts) if fasts[i].grouped else LARGE_LAYERS_PER_LAUNCH
+        shares = fasts[i].grouped or rows <= LARGE_SHARED_MAX_ROWS
         n = 1
-        while (n < cap and i + n < len(fasts) and fasts[i + n].grouped == fasts[i].grouped
+        while (shares and i + n < len(fasts) and fasts[i + n].grouped == fasts[i].grouped
                and fasts[i + n].launch_key() == fasts[i].launch_key()):
             n += 1
         runs.append((i, n))
         i += n
     return runs
+
+
+def _launches_note(runs):
+    """{rows: runs} -> '1 launch at 1 row, 36 launches at 2-8 rows' ('36 launches' where all agree)."""
+    counts = {}
+    for rows, rr in runs.items():
+        counts.setdefault(len(rr), []).append(rows)
+    launches = {k: f"{k} launch{'es' if k > 1 else ''}" for k in counts}
+    if len(counts) == 1:
+        return launches[len(runs[1])]
+    return ", ".join(f"{launches[k]} at {rs[0]}" + (f"-{rs[-1]} rows" if len(rs) > 1 else f" row{'s' if rs[0] > 1 else ''}")
+                     for k, rs in counts.items())
 
 
 def _inner(model):
@@ -148,7 +162,7 @@ def _compile_step(model, fasts, wide):
     # An embedding in another dtype would make stock and fused paths differ: require a match.
     if getattr(embed, "scales", getattr(embed, "weight", None)).dtype != dtype:
         return None, "embedding dtype differs from the layers'"
-    runs = launch_runs(fasts)
+    runs = {rows: launch_runs(fasts, rows) for rows in range(1, MAX_ROWS + 1)}
     max_rows = min(fb.wide_rows for fb in fasts) if wide else MAX_ROWS
     # FastBlock.wide: each block's down makes the next block's normalised input, the last block's
     # the final norm's where it is nn.RMSNorm's (a watched subclass: the same call) in the layers' dtype
@@ -173,7 +187,7 @@ def _compile_step(model, fasts, wide):
             if final is not None:
                 return [hn, off + tokens.shape[1], *readers]
         else:
-            for i, n in runs:
+            for i, n in runs[tokens.shape[0] * tokens.shape[1]]:
                 h, o = layers_launch(fasts[i:i + n], h, off, layer_bufs[i:i + n])
                 readers += [o] * n
         return [norm(h), off + tokens.shape[1], *readers]
@@ -183,7 +197,7 @@ def _compile_step(model, fasts, wide):
     if cls is None:
         cls = _INNER_CLASSES[base] = type(f"FastStep{base.__name__}", (base,),
                                           {"__call__": _compiled_call, "_fastops_base": base})
-    launches = f"{len(runs)} launch{'es' if len(runs) > 1 else ''}"
+    launches = _launches_note(runs)
     why = "prefill off" if not wide else "a weight qmm does not take"
     rows = (f"; decode steps of {MAX_ROWS + 1}-{max_rows} rows: 5 launches a layer" if max_rows > MAX_ROWS else
             f"; decode steps of over {MAX_ROWS} rows: the composed ops ({why})")
