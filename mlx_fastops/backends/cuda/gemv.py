@@ -108,8 +108,8 @@ def x_stage_bytes(M, bits, vec, stage):
 # layer) and not on Llama-3.2-1B (down, 256 tiles: 8.6 -> 9.7 us) or Qwen3-0.6B (128 tiles: even).
 # QKV, us per phase: Qwen3-4B at 2 / 4 rows 17.0 -> 12.3, 23.7 -> 14.3, 8B 21.8 -> 16.4, 41.1 ->
 # 20.3; at one row (384 tiles), since the first staging step's loads go out with the norm's, 11.0 ->
-# 10.4 and 14.2 -> 13.2 (2026-12-05). Only in large layers (over block.GROUP_MAX_WEIGHTS weights, a
-# launch of their own): at 2 rows Qwen3-0.6B's and Llama-3.2-1B's several-layer launches ran at 3
+# 10.4 and 14.2 -> 13.2 (2026-12-05). Only in large layers (over block.GROUP_MAX_WEIGHTS weights,
+# one-layer launches then): at 2 rows Qwen3-0.6B's and Llama-3.2-1B's several-layer launches ran at 3
 # blocks per SM (layers 30.1 -> 32.8, 44.4 -> 53.1 us; before the staging of two items a thread);
 # at one row (256 / 192 tiles) their QKV phases ran 0.2-0.5 us slower.
 MMA_MIN_ROWS = 2
