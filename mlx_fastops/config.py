@@ -27,7 +27,7 @@ FUSIONS = {
                "matmuls on weights dequantised per call, but lm_head's); off: stock quantized_matmul",
     "fast_decode": "CUDA: each decoder block as one launch (norm + QKV + q/k norm + RoPE + cache write, "
                    "attention, o_proj + residual, norm + gate/up + SiLU, down + residual) over a static KV "
-                   "cache; consecutive small layers share a launch",
+                   "cache; consecutive small layers share a launch, large ones in one-row steps",
     "compile": "CUDA: the whole decode step (embedding, fast_decode launches, final norm) as one "
                "mx.compile'd function",
 }
