@@ -9,8 +9,9 @@ time goes.
    elementwise adds; graph build (Python) and evaluation timed apart, median of --reps x 10 chains.
 2. Per model: decode through mlx_fastops.bench (tg after --prompt tokens, the variants in rotating
    order) of stock, patched, patched without the compiled step (compile) and without the fused
-   layer (fast_decode), and with --group-all a copy with every layer in one launch (the
-   GROUP_MAX_WEIGHTS bound lifted); beside each, one unpipelined decode step: graph build (the
+   layer (fast_decode), and with --group-all a copy with every layer in one launch at every row
+   count and the small layers' phase choices (the GROUP_MAX_WEIGHTS bound lifted; patched, large
+   layers share one launch at one row only: step.LARGE_SHARED_MAX_ROWS); beside each, one unpipelined decode step: graph build (the
    model call, nothing evaluated) and its evaluation, medians over 24 steps.
 3. With --profile: cProfile of the patched model's step builds (each step evaluated outside the
    profile), the functions by own time.
@@ -113,7 +114,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="decode trials (launch chains: 10x as many)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--group-all", action="store_true", help="add a copy with every layer in one launch")
+    ap.add_argument("--group-all", action="store_true", help="add a copy with every layer in one launch, as small layers")
     ap.add_argument("--skip-launch", action="store_true", help="no launch-cost chains")
     ap.add_argument("--profile", action="store_true", help="cProfile the patched model's step builds")
     ap.add_argument("--out", default="benchmarks/results/cuda_host", help="writes OUT.md and OUT.json")

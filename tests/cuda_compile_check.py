@@ -30,6 +30,7 @@ from mlx_fastops.backends.cuda import gemv as G
 from mlx_fastops.backends.cuda import head as HD
 from mlx_fastops.backends.cuda import layer
 from mlx_fastops.backends.cuda import qmm as QM
+from mlx_fastops.backends.cuda import step
 from mlx_fastops.backends.cuda import quantized_kv as QKV
 from mlx_fastops.backends.cuda.source import CTYPE, source
 
@@ -176,8 +177,10 @@ def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
         "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") or base(n) == "lp" else ("float" if base(n) == "rf" else T))
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
-    # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel)
-    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128
+    # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel); large
+    # layers 3 or more to a launch must keep gemv.BLOCKS_PER_SM blocks per SM (the cap's purpose)
+    need = G.BLOCKS_PER_SM if large and nlayers > 2 else 1
+    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128, need
 
 
 def cases():
@@ -205,9 +208,14 @@ def cases():
               ("qwen3-8b", 8, {**q06, "H": 32}, 5, shapes8b, False, 1, False),
               # large layers sharing a launch (at one row: step.LARGE_SHARED_MAX_ROWS); 3 or more capped
               # at 128 registers, also at 4 rows (a larger LARGE_SHARED_MAX_ROWS)
+              ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 3, False),
               ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 36, False),
               ("qwen3-8b", 1, {**q06, "H": 32}, 33, shapes8b, False, 36, False),
               ("qwen3-4b", 4, {**q06, "H": 32}, 9, shapes4b, False, 3, False),
+              # the most layers a launch takes (step.MAX_LAYERS_PER_LAUNCH) with the most parameters a
+              # layer passes (a quantised batch cache): within NVRTC's 32 KB of kernel parameters
+              ("qwen3-8b kv8 batch", 1, {**q06, "H": 32, "kv": (8, 64), "lpad": True}, 33, shapes8b, False,
+               step.MAX_LAYERS_PER_LAUNCH, False),
               # 8-bit weights: every GEMV phase of a large layer on gemv.cu, none sending rows to L2 before its wait
               ("qwen3-8b b8", 1, {**q06, "H": 32}, 17, tuple((8, 64, N, K) for _, _, N, K in shapes8b), False, 1, False),
               ("qwen2.5-0.5b", 1, q25, 33, shapes25, True, 1, False),
@@ -269,7 +277,7 @@ def main():
     ptxas = _find(["nvidia/cuda_nvcc/bin/ptxas", "bin/ptxas"])
     bad = 0
     with tempfile.TemporaryDirectory() as td:
-        for name, (src, threads) in cases():
+        for name, (src, threads, *need) in cases():
             if filt not in name:
                 continue
             t0 = time.perf_counter()
@@ -290,10 +298,11 @@ def main():
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
             # an out-of-line call: NVRTC stopped inlining (a multi-layer launch's phases, see layer.py)
             calls = len(re.findall(r"^\s*call", ptx, re.M))
-            ok = r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not any(spills) and not calls
             # blocks of `threads` per SM that the registers allow (allocated 8 per thread at a time; the layer's
             # blockings assume 4: gemv.RESIDENT_BLOCKS)
             per_sm = min(65536 // (-(-max(regs) // 8) * 8 * threads), 2048 // threads) if regs else 0
+            ok = (r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not any(spills) and not calls
+                  and per_sm >= max(need, default=1))
             print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} blocks/SM={per_sm} calls={calls} nvrtc={secs:.1f}s "
                   f"ptxas={secs_ptxas:.1f}s {' | '.join(info)[:160]}")
             if not ok:

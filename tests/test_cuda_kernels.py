@@ -744,28 +744,36 @@ def test_decode_step_with_layers_sharing_launches(monkeypatch):
     """The decode step (run eagerly: the emulator cannot be traced by mx.compile) with both layers
     in one launch (the default for small layers) gives the same logits as with one launch per layer
     (layers above GROUP_MAX_WEIGHTS) and as large layers sharing a launch at one row
-    (LARGE_SHARED_MAX_ROWS); the report's compile row says how many launches at which rows."""
+    (LARGE_SHARED_MAX_ROWS); the step launches what launch_runs says for its row count (a 6-token
+    prompt, then one-row steps), and the report's compile row says so."""
     from mlx_fastops import fidelity, synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
-    prompt = mx.random.randint(0, 4096, (20,), key=mx.random.key(5))
+    launched = set()   # (rows of the step, layers in the launch)
+
+    def launch(blocks, x, *args, _launch=step.layers_launch):
+        launched.add((x.shape[0] * x.shape[1], len(blocks)))
+        return _launch(blocks, x, *args)
+
+    monkeypatch.setattr(step, "layers_launch", launch)
+    prompt = mx.random.randint(0, 4096, (6,), key=mx.random.key(5))
     logits = []
     mx.disable_compile()
     try:
         wide = "; decode steps of over 8 rows: the composed ops (a weight qmm does not take)"   # hidden size 192
-        for limit, shared_rows, runs, note in (
-                (block.GROUP_MAX_WEIGHTS, 0, [(0, 2)], "2 layers in 1 launch" + wide),
-                (0, 0, [(0, 1), (1, 1)], "2 layers in 2 launches" + wide),
-                (0, 1, [(0, 2)], "2 layers in 1 launch at 1 row, 2 launches at 2-8 rows" + wide)):
+        for limit, shared_rows, launches, note in (
+                (block.GROUP_MAX_WEIGHTS, 0, {(6, 2), (1, 2)}, "2 layers in 1 launch" + wide),
+                (0, 0, {(6, 1), (1, 1)}, "2 layers in 2 launches" + wide),
+                (0, 1, {(6, 1), (1, 2)}, "2 layers in 1 launch at 1 row, 2 launches at 2-8 rows" + wide)):
             monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", limit)
             monkeypatch.setattr(step, "LARGE_SHARED_MAX_ROWS", shared_rows)
             model = synthetic_model("qwen3-tiny", bits=4, dtype=mx.bfloat16, seed=4)
             report = mlx_fastops.patch(model)
             assert [(e.status, e.reason) for e in report.entries if e.fusion == "compile"] == [("fused", note)]
-            assert step.launch_runs(model.model._fastops_blocks, 1) == runs
+            launched.clear()
             logits.append(fidelity.forced_logits(model, prompt, [7, 99, 1234]))
-            assert "_fastops_off" in model.model.__dict__, "the decode step was not used"
+            assert launched == launches
             mlx_fastops.unpatch(model)
     finally:
         mx.enable_compile()
@@ -776,7 +784,7 @@ def test_decode_step_with_layers_sharing_launches(monkeypatch):
 def test_launch_runs(monkeypatch):
     """Consecutive groupable layers of one launch key share a launch at any row count; a layer that
     is not groupable, or of another key, starts a new launch; large layers of one key share one in
-    steps of up to LARGE_SHARED_MAX_ROWS rows."""
+    steps of up to LARGE_SHARED_MAX_ROWS rows; no launch takes over MAX_LAYERS_PER_LAUNCH."""
     from types import SimpleNamespace
     keys = [1, 1, 1, 1, 1, 1, 1, 2, 2, 2]
     fasts = [SimpleNamespace(grouped=i not in (0, 9), launch_key=lambda k=k: k) for i, k in enumerate(keys)]
@@ -789,6 +797,9 @@ def test_launch_runs(monkeypatch):
         monkeypatch.setattr(step, "LARGE_SHARED_MAX_ROWS", shared_rows)
         assert step.launch_runs(fasts, rows) == runs
         assert step.launch_runs(large, rows) == large_runs
+    monkeypatch.setattr(step, "MAX_LAYERS_PER_LAUNCH", 4)   # NVRTC's bound on kernel parameters
+    assert step.launch_runs(fasts, 1) == [(0, 1), (1, 4), (5, 2), (7, 2), (9, 1)]
+    assert step.launch_runs(large, 1) == [(0, 4), (4, 3), (7, 3)]
 
 
 @pytest.mark.parametrize("limit,grouped", [(1.0, True), (0.99, False)])

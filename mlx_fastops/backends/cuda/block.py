@@ -38,8 +38,8 @@ def _as_packed(m):
 
 class FastBlock:
     """The fused decode path of one FusedBlock: for B * L <= MAX_ROWS rows over a StaticKVCache,
-    the block as one launch (shared with the following blocks in the compiled step, where
-    `grouped`); else None, and the FusedBlock takes its composed path. The compiled step also
+    the block as one launch (shared with the following blocks in the compiled step: step.launch_runs);
+    else None, and the FusedBlock takes its composed path. The compiled step also
     runs decode steps of MAX_ROWS + 1 to wide_rows rows through `wide`."""
 
     cache_types = (StaticKVCache, StaticQuantizedKVCache)
@@ -81,7 +81,7 @@ class FastBlock:
                                                                                   self.down)) else MAX_ROWS
         self.wide_tickets = tickets(QMM_MAX_ROWS * self.H) if self.wide_rows > MAX_ROWS else None
         self.norm_tickets = tickets(norm_tickets()) if self.wide_rows > MAX_ROWS else None
-        self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # may share a launch with its neighbours
+        self.grouped = self.weights <= GROUP_MAX_WEIGHTS   # shares a launch with its neighbours at any row count
         mx.eval(self.in_norm[0], self.post_norm[0], self.qk, self.rf)
 
     def __deepcopy__(self, memo):

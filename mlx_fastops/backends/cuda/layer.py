@@ -131,7 +131,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     # On large layers no GEMV phase sends rows to L2 before its wait: each phase's blocks enter while
     # the one before runs, and their prefetches cost it more than they sped their own phase (down's
     # took gate/up's bandwidth; o_proj's and gate/up's slowed attention's merge); QKV's delayed its
-    # start (design doc, "Prefetch before wait").
+    # start (design doc, "Prefetch before wait"). Measured in launches of one layer; where large layers
+    # share a launch (one-row steps), a layer's QKV waits for the one before's down.
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
     if head.get("lpad"):
@@ -239,8 +240,9 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem, bounded):
     name = kernel_name("layer", header + body + f"bounded={bounded}")   # MLX caches modules by name
     if bounded:
         # 3 or more large layers in a launch: their per-layer input switch took offline ptxas to 130
-        # registers at one row and 156 at 4 (3 blocks per SM, not gemv.BLOCKS_PER_SM); capped,
-        # 127-128 and no spills (2 layers fit 128 uncapped, and spill 16-20 bytes at 4 rows capped).
+        # registers at one row (3 layers) and 156 at 4 (3 blocks per SM, not gemv.BLOCKS_PER_SM);
+        # capped, 127-128 and no spills (2 layers fit 128 uncapped, and spill 16-20 bytes at 4 rows
+        # capped). tests/cuda_compile_check.py requires BLOCKS_PER_SM blocks for these.
         # MLX writes `__global__ void custom_kernel_<name>(`; the macro makes it `__global__ void
         # __launch_bounds__(128, BLOCKS_PER_SM) custom_kernel_<name>(`; the body undefines it.
         k = f"custom_kernel_{name}"

@@ -108,19 +108,24 @@ _INNER_CLASSES = {}
 # Steps of up to this many rows (B * L) run consecutive large layers (not `grouped`:
 # block.GROUP_MAX_WEIGHTS) of one launch_key in one launch; larger steps one launch each. At one row
 # the shared launch keeps decode GPU-bound where the host is slow to issue 36 launches a step (H100,
-# cuda_ab.py: Qwen3-4B tg128 520 vs 367, 8B 388 vs 330 tok/s); at 4 and 8 rows it cost Qwen3-8B
-# 1-6% (docs/cuda-design.md, "Layers per launch").
+# cuda_ab.py --set step.LARGE_SHARED_MAX_ROWS=0,1: Qwen3-4B tg128 374 -> 487, 8B 338 -> 386 tok/s);
+# at 4 and 8 rows it cost Qwen3-8B 1-6% (docs/cuda-design.md, "Layers per launch").
 LARGE_SHARED_MAX_ROWS = 1
+
+# A launch's layers pass their arrays as kernel parameters, which NVRTC bounds at 32 KB; a layer over
+# a quantised cache passes ~670 bytes (tests/cuda_compile_check.py builds 40 such layers in one).
+MAX_LAYERS_PER_LAUNCH = 40
 
 
 def launch_runs(fasts, rows):
-    """[(first block, blocks)] in order, for a step of `rows` rows: consecutive `grouped` blocks of
-    one launch_key share a launch, as do consecutive large ones where rows <= LARGE_SHARED_MAX_ROWS."""
+    """[(first block, blocks)] in order, for a step of `rows` rows: up to MAX_LAYERS_PER_LAUNCH
+    consecutive blocks of one launch_key share a launch where they are `grouped`, or large and
+    rows <= LARGE_SHARED_MAX_ROWS."""
     runs, i = [], 0
     while i < len(fasts):
-        shares = fasts[i].grouped or rows <= LARGE_SHARED_MAX_ROWS
+        cap = MAX_LAYERS_PER_LAUNCH if fasts[i].grouped or rows <= LARGE_SHARED_MAX_ROWS else 1
         n = 1
-        while (shares and i + n < len(fasts) and fasts[i + n].grouped == fasts[i].grouped
+        while (n < cap and i + n < len(fasts) and fasts[i + n].grouped == fasts[i].grouped
                and fasts[i + n].launch_key() == fasts[i].launch_key()):
             n += 1
         runs.append((i, n))
@@ -130,14 +135,14 @@ def launch_runs(fasts, rows):
 
 def _launches_note(runs):
     """{rows: runs} -> '1 launch at 1 row, 36 launches at 2-8 rows' ('36 launches' where all agree)."""
-    counts = {}
+    by_count = {}   # launches a step -> the row counts that take that many
     for rows, rr in runs.items():
-        counts.setdefault(len(rr), []).append(rows)
-    launches = {k: f"{k} launch{'es' if k > 1 else ''}" for k in counts}
-    if len(counts) == 1:
-        return launches[len(runs[1])]
-    return ", ".join(f"{launches[k]} at {rs[0]}" + (f"-{rs[-1]} rows" if len(rs) > 1 else f" row{'s' if rs[0] > 1 else ''}")
-                     for k, rs in counts.items())
+        by_count.setdefault(len(rr), []).append(rows)
+    name = lambda k: f"{k} launch{'es' if k > 1 else ''}"
+    span = lambda rs: f"{rs[0]}-{rs[-1]} rows" if len(rs) > 1 else f"{rs[0]} row{'s' if rs[0] > 1 else ''}"
+    if len(by_count) == 1:
+        return name(len(runs[1]))
+    return ", ".join(f"{name(k)} at {span(rs)}" for k, rs in by_count.items())
 
 
 def _inner(model):
