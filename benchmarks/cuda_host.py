@@ -11,8 +11,9 @@ time goes.
    order) of stock, patched, patched without the compiled step (compile) and without the fused
    layer (fast_decode), and with --group-all a copy with every layer in one launch at every row
    count and the small layers' phase choices (the GROUP_MAX_WEIGHTS bound lifted; patched, large
-   layers share one launch at one row only: step.LARGE_SHARED_MAX_ROWS); beside each, one unpipelined decode step: graph build (the
-   model call, nothing evaluated) and its evaluation, medians over 24 steps.
+   layers share one launch at one row only: step.LARGE_SHARED_MAX_ROWS); beside each, one
+   unpipelined decode step: graph build (the model call, nothing evaluated) and its evaluation,
+   medians over 24 steps.
 3. With --profile: cProfile of the patched model's step builds (each step evaluated outside the
    profile), the functions by own time.
 """
