@@ -48,10 +48,16 @@ def attn_defines(L, H, HKV, D, scale, gb=None):
                 SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
 
 
+# Odd G (Qwen2.5-0.5B's and 7B's 7): all G heads in one attention block (the K/V chunk read once),
+# or one a block (fewer registers: offline ptxas put Qwen2.5-0.5B's one-launch layer at 255
+# registers with 7, 2 blocks per SM where the GEMV blockings assume 4).
+ODD_G_WHOLE = False
+
+
 def head_subgroup(G):
     """Query heads per attention block in the one-launch layer: 2 where G is even (fewer registers;
-    the K/V chunk is read once per pair of heads), else all G."""
-    return 2 if G % 2 == 0 else G
+    the K/V chunk is read once per pair of heads), else all G (ODD_G_WHOLE) or 1."""
+    return 2 if G % 2 == 0 else G if ODD_G_WHOLE else 1
 
 
 @cached_builder
