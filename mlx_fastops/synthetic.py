@@ -29,6 +29,9 @@ CONFIGS = {
     "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936,
                  "tie_word_embeddings": False},
+    "qwen3-14b": {**_QWEN3, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
+                  "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 151936,
+                  "tie_word_embeddings": False},
     "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
                      "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
                      "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 128256,
@@ -66,6 +69,11 @@ CONFIGS = {
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                    "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,
                    "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    # GQA 5: odd G over the CUDA attention's WHOLE_ODD_G_MAX (Qwen3-14B's; Qwen2.5-0.5B's 7)
+    "qwen2-tiny-g5": {"model_type": "qwen2", "hidden_size": 320, "intermediate_size": 384,
+                      "num_hidden_layers": 2, "num_attention_heads": 5, "num_key_value_heads": 1,
+                      "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,
+                      "rope_theta": 1000000.0, "tie_word_embeddings": True},
 }
 # llama-tiny with K = 2304 (36 groups of 64): the tensor-core GEMV stages over 128 items a step of x,
 # so its threads take a second item, and at 8 rows K is sliced (tests of cuda/gemv_mma.cu's staging).

@@ -177,9 +177,10 @@ def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
         "int32_t" if n in ("off", "head_cnt", "attn_cnt", "ctr") or base(n) == "lp" else ("float" if base(n) == "rf" else T))
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
-    # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel); large
-    # layers 3 or more to a launch must keep gemv.BLOCKS_PER_SM blocks per SM (the cap's purpose)
-    need = G.BLOCKS_PER_SM if large and nlayers > 2 else 1
+    # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel). A
+    # layer launched alone, and large layers 3 or more to a launch (the cap's purpose), must keep
+    # gemv.BLOCKS_PER_SM blocks per SM, which the GEMV blockings assume
+    need = G.BLOCKS_PER_SM if nlayers == 1 or (large and nlayers > 2) else 1
     return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128, need
 
 
@@ -192,8 +193,10 @@ def cases():
     shapes8b = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
     llama1b = {**q06, "D": 64, "H": 32, "L": 1, "qknorm": False, "freqs": True}
     shapes_l1b = ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192))
-    q25 = {**q06, "D": 64, "H": 14, "HKV": 2, "qknorm": False}   # GQA 7: attention blocks of 7 heads
+    q25 = {**q06, "D": 64, "H": 14, "HKV": 2, "qknorm": False}   # GQA 7: attention blocks of one head
     shapes25 = ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864))
+    shapes14b = ((4, 64, 7168, 5120), (4, 64, 5120, 5120), (4, 64, 34816, 5120), (4, 64, 5120, 17408))
+    shapes25_7b = ((4, 64, 4608, 3584), (4, 64, 3584, 3584), (4, 64, 37888, 3584), (4, 64, 3584, 18944))
     g8 = {**q06, "H": 64, "HKV": 8}     # GQA 8, D 128: the largest attention phase
     shapes_g8 = ((4, 64, 10240, 4096), (4, 64, 4096, 8192), (4, 64, 28672, 4096), (4, 64, 4096, 14336))
     # (name, M, head, attention splits, shapes, qkv bias, layers per launch, stamps)
@@ -219,6 +222,9 @@ def cases():
               # 8-bit weights: every GEMV phase of a large layer on gemv.cu, none sending rows to L2 before its wait
               ("qwen3-8b b8", 1, {**q06, "H": 32}, 17, tuple((8, 64, N, K) for _, _, N, K in shapes8b), False, 1, False),
               ("qwen2.5-0.5b", 1, q25, 33, shapes25, True, 1, False),
+              # odd G over attention.WHOLE_ODD_G_MAX: one query head an attention block (G = 5, 7)
+              ("qwen3-14b", 1, {**q06, "H": 40}, 17, shapes14b, False, 1, False),
+              ("qwen2.5-7b", 1, {**q25, "D": 128, "H": 28, "HKV": 4}, 17, shapes25_7b, True, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 4, True),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 16, False),

@@ -48,16 +48,17 @@ def attn_defines(L, H, HKV, D, scale, gb=None):
                 SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
 
 
-# Odd G (Qwen2.5-0.5B's and 7B's 7): all G heads in one attention block (the K/V chunk read once),
-# or one a block (fewer registers: offline ptxas put Qwen2.5-0.5B's one-launch layer at 255
-# registers with 7, 2 blocks per SM where the GEMV blockings assume 4).
-ODD_G_WHOLE = False
+# Odd G up to this many query heads share an attention block (the K/V chunk read once); more get a
+# block each. Offline ptxas, the one-launch layer at one row with all G heads a block: G = 3
+# (Llama-3.2-3B) 128 registers, 5 (Qwen3-14B) 166, 7 (Qwen2.5-0.5B, 7B) 255, i.e. 3 and 2 blocks per
+# SM where the GEMV blockings assume 4; with one head a block 121-128.
+WHOLE_ODD_G_MAX = 3
 
 
 def head_subgroup(G):
     """Query heads per attention block in the one-launch layer: 2 where G is even (fewer registers;
-    the K/V chunk is read once per pair of heads), else all G (ODD_G_WHOLE) or 1."""
-    return 2 if G % 2 == 0 else G if ODD_G_WHOLE else 1
+    the K/V chunk is read once per pair of heads), all G where odd up to WHOLE_ODD_G_MAX, else 1."""
+    return 2 if G % 2 == 0 else G if G <= WHOLE_ODD_G_MAX else 1
 
 
 @cached_builder
