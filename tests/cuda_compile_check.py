@@ -178,9 +178,9 @@ def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
     ins = [(n, typ(n)) for n in kw["input_names"]]
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
     # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel). A
-    # layer launched alone, and large layers 3 or more to a launch (the cap's purpose), must keep
+    # layer launched alone, and layers 3 or more to a launch (the cap's purpose), must keep
     # gemv.BLOCKS_PER_SM blocks per SM, which the GEMV blockings assume
-    need = G.BLOCKS_PER_SM if nlayers == 1 or (large and nlayers > 2) else 1
+    need = G.BLOCKS_PER_SM if nlayers != 2 else 1
     return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128, need
 
 
@@ -234,6 +234,7 @@ def cases():
               # a batch cache's rows (LEFT_PAD: per-layer left padding)
               ("qwen3-0.6b batch", 4, {**q06, "lpad": True}, 33, shapes06, False, 1, False),
               ("qwen3-0.6b batch", 8, {**q06, "lpad": True}, 33, shapes06, False, 28, False),
+              ("llama-1b batch", 8, {**llama1b, "lpad": True}, 5, shapes_l1b, False, 16, False),
               ("qwen2.5-0.5b batch", 3, {**q25, "lpad": True}, 33, shapes25, True, 1, False),
               ("qwen3-4b batch", 4, {**q06, "H": 32, "lpad": True}, 9, shapes4b, False, 1, False),
               # over a quantised cache (kv_bits): the QKV epilogue quantises, the attention phase reads packed
@@ -307,7 +308,10 @@ def main():
             # blocks of `threads` per SM that the registers allow (allocated 8 per thread at a time; the layer's
             # blockings assume 4: gemv.RESIDENT_BLOCKS)
             per_sm = min(65536 // (-(-max(regs) // 8) * 8 * threads), 2048 // threads) if regs else 0
-            ok = (r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not any(spills) and not calls
+            # instrumented launches (stamps: a layer's phase tables, not decode) may spill a few bytes under
+            # the register cap of a multi-layer launch (4 Llama-3.2-1B layers: 4 bytes)
+            spilled = any(spills) and not ("stamps" in name and max(spills) <= 16)
+            ok = (r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not spilled and not calls
                   and per_sm >= max(need, default=1))
             print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} blocks/SM={per_sm} calls={calls} nvrtc={secs:.1f}s "
                   f"ptxas={secs_ptxas:.1f}s {' | '.join(info)[:160]}")

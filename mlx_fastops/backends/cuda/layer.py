@@ -90,7 +90,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     previous layer's output from the scratch outputs r0/r1 (alternating), the last layer writes
     `out`. large: layers over block.GROUP_MAX_WEIGHTS (gemv.mma_takes: their QKV phase on tensor
     cores from 2 rows, and at one row where its tiles fill more than half the wave; no GEMV phase
-    sends rows to L2 before its wait; 3 or more in a launch capped at 128 registers)."""
+    sends rows to L2 before its wait). A launch of 3 or more layers is capped at 128 registers
+    (_layer_kernel)."""
     head = dict(head_items)
     L, H, HKV, D = head["L"], head["H"], head["HKV"], head["D"]
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
@@ -157,7 +158,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                         if not isinstance(a, str) and not a[1])   # a layer's own arrays, in call order
     inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"] + [f"{b}{j}" for j in range(nlayers) for b in own]
     body = (_loop_body if nlayers > 1 else _one_layer_body)(phase_args, sizes, nlayers, stamps)
-    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0], large and nlayers > 2), groups, inputs
+    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0], nlayers > 2), groups, inputs
 
 
 def _dispatch(calls, sizes, group, picks, reset, stamps):
@@ -239,10 +240,11 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem, bounded):
     outputs += ["stamps"] if stamps else []
     name = kernel_name("layer", header + body + f"bounded={bounded}")   # MLX caches modules by name
     if bounded:
-        # 3 or more large layers in a launch: their per-layer input switch took offline ptxas to 130
-        # registers at one row (3 layers) and 156 at 4 (3 blocks per SM, not gemv.BLOCKS_PER_SM);
-        # capped, 127-128 and no spills (2 layers fit 128 uncapped, and spill 16-20 bytes at 4 rows
-        # capped). tests/cuda_compile_check.py requires BLOCKS_PER_SM blocks for these.
+        # 3 or more layers in a launch: their per-layer input switch took offline ptxas to 130
+        # registers for 3 Qwen3-4B layers at one row and 156 at 4 rows, 150 for 28 Qwen3-0.6B layers
+        # and 167 for 16 Llama-3.2-1B layers at 8 rows (3 blocks per SM, not gemv.BLOCKS_PER_SM);
+        # capped, 127-128 and no spills (2 large layers fit 128 uncapped, and spill 16-20 bytes at 4
+        # rows capped). tests/cuda_compile_check.py requires BLOCKS_PER_SM blocks for these.
         # MLX writes `__global__ void custom_kernel_<name>(`; the macro makes it `__global__ void
         # __launch_bounds__(128, BLOCKS_PER_SM) custom_kernel_<name>(`; the body undefines it.
         k = f"custom_kernel_{name}"
