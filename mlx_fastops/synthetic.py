@@ -69,7 +69,7 @@ CONFIGS = {
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                    "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,
                    "rope_theta": 1000000.0, "tie_word_embeddings": True},
-    # GQA 5: odd G over the CUDA attention's WHOLE_ODD_G_MAX (Qwen3-14B's; Qwen2.5-0.5B's 7)
+    # GQA 5 (Qwen3-14B's): odd G, one query head per CUDA attention block (Qwen2.5-0.5B's 7 too)
     "qwen2-tiny-g5": {"model_type": "qwen2", "hidden_size": 320, "intermediate_size": 384,
                       "num_hidden_layers": 2, "num_attention_heads": 5, "num_key_value_heads": 1,
                       "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,

@@ -193,6 +193,8 @@ def cases():
     shapes8b = ((4, 64, 6144, 4096), (4, 64, 4096, 4096), (4, 64, 24576, 4096), (4, 64, 4096, 12288))
     llama1b = {**q06, "D": 64, "H": 32, "L": 1, "qknorm": False, "freqs": True}
     shapes_l1b = ((4, 64, 3072, 2048), (4, 64, 2048, 2048), (4, 64, 16384, 2048), (4, 64, 2048, 8192))
+    llama3b = {**q06, "H": 24, "qknorm": False, "freqs": True}   # GQA 3
+    shapes_l3b = ((4, 64, 5120, 3072), (4, 64, 3072, 3072), (4, 64, 16384, 3072), (4, 64, 3072, 8192))
     q25 = {**q06, "D": 64, "H": 14, "HKV": 2, "qknorm": False}   # GQA 7: attention blocks of one head
     shapes25 = ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864))
     shapes14b = ((4, 64, 7168, 5120), (4, 64, 5120, 5120), (4, 64, 34816, 5120), (4, 64, 5120, 17408))
@@ -222,9 +224,11 @@ def cases():
               # 8-bit weights: every GEMV phase of a large layer on gemv.cu, none sending rows to L2 before its wait
               ("qwen3-8b b8", 1, {**q06, "H": 32}, 17, tuple((8, 64, N, K) for _, _, N, K in shapes8b), False, 1, False),
               ("qwen2.5-0.5b", 1, q25, 33, shapes25, True, 1, False),
-              # odd G over attention.WHOLE_ODD_G_MAX: one query head an attention block (G = 5, 7)
+              # odd G: one query head an attention block (attention.head_subgroup; G = 3, 5, 7)
               ("qwen3-14b", 1, {**q06, "H": 40}, 17, shapes14b, False, 1, False),
               ("qwen2.5-7b", 1, {**q25, "D": 128, "H": 28, "HKV": 4}, 17, shapes25_7b, True, 1, False),
+              ("llama-3b batch", 2, {**llama3b, "lpad": True}, 11, shapes_l3b, False, 1, False),
+              ("llama-3b batch", 8, {**llama3b, "lpad": True}, 2, shapes_l3b, False, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 4, True),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 16, False),

@@ -446,7 +446,7 @@ def test_layer_phases_on_tensor_cores(name, M, on_mma):
     (Qwen3-4B / 8B, not Llama-3.2-1B's 256 or Qwen3-0.6B's 128); QKV so too (Qwen3-4B / 8B: 384
     tiles) in layers of over GROUP_MAX_WEIGHTS where a head is whole tiles of 16 rows; only K a multiple of
     256 and where the attention blocks leave room for staged x (Qwen2.5-0.5B: K 896 but its down's
-    4864, with room since its 7 query heads take a block each: attention.WHOLE_ODD_G_MAX)."""
+    4864, with room since its 7 query heads take a block each: attention.head_subgroup)."""
     shapes, (H, HKV, D) = {n: (s, h) for n, s, h, *_ in LAYERS}[name]
     large = sum(N * K for _, _, N, K in shapes) > block.GROUP_MAX_WEIGHTS
     room = A.head_subgroup(H // HKV) * D <= 256   # as layer_build
@@ -478,7 +478,7 @@ def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     to fit the wave, the rest one row group per block as a GEMV launched alone would (Qwen2.5-0.5B's
     gate/up several per block); x is staged in shared memory except beside attention blocks of more than
     256 query-head values (at 4 rows the launch would exceed 48 KB of shared memory; Qwen2.5's GQA 7
-    takes blocks of one head: attention.WHOLE_ODD_G_MAX)."""
+    takes blocks of one head: attention.head_subgroup)."""
     kw, groups = captured_layer(1, shapes, heads, 17)
     epis = (3, 1, 2, 1)
     alone = [G.gemv_blocks(N, e, G.gemv_config(1, K, N, b, e)[1], 4) for (b, _, N, K), e in zip(shapes, epis)]

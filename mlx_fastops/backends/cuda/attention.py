@@ -48,18 +48,13 @@ def attn_defines(L, H, HKV, D, scale, gb=None):
                 SCALE_LOG2=f"{float(scale) * LOG2E!r}f")
 
 
-# Odd G up to this many query heads share an attention block (the K/V chunk read once); more get a
-# block each. Offline ptxas, the one-launch layer at one row with all G heads a block: G = 3
-# (Llama-3.2-3B) 128 registers, 5 (Qwen3-14B) 166, 7 (Qwen2.5-0.5B, 7B) 255, i.e. 3 and 2 blocks per
-# SM where the GEMV blockings assume 4; with one head a block 121-128. Decode 1.29-1.72x on
-# Qwen2.5-0.5B and 1.30-3.80x on Qwen3-14B (design doc, "Attention").
-WHOLE_ODD_G_MAX = 3
-
-
 def head_subgroup(G):
-    """Query heads per attention block in the one-launch layer: 2 where G is even (fewer registers;
-    the K/V chunk is read once per pair of heads), all G where odd up to WHOLE_ODD_G_MAX, else 1."""
-    return 2 if G % 2 == 0 else G if G <= WHOLE_ODD_G_MAX else 1
+    """Query heads per attention block in the one-launch layer: 2 where G is even (the K/V chunk is
+    read once per pair of heads), else 1. All of an odd G in a block took the launch over 128
+    registers (offline ptxas: G = 5 166 at one row, G = 7 255, G = 3 137 at 2 rows and 223 at 8) and
+    its staged x out of shared memory; one a block was 1.29-3.80x faster on G = 5 and 7 (design doc,
+    "Attention")."""
+    return 2 if G % 2 == 0 else 1
 
 
 @cached_builder
