@@ -211,8 +211,8 @@ def cases():
               ("qwen3-4b", 4, {**q06, "H": 32}, 9, shapes4b, False, 1, False),
               ("qwen3-8b", 3, {**q06, "H": 32}, 11, shapes8b, False, 1, False),
               ("qwen3-8b", 8, {**q06, "H": 32}, 5, shapes8b, False, 1, False),
-              # large layers sharing a launch (at one row: step.LARGE_SHARED_MAX_ROWS); 3 or more capped
-              # at 128 registers, also at 4 rows (a larger LARGE_SHARED_MAX_ROWS)
+              # large layers sharing a launch (at one row: step.LARGE_SHARED_MAX_ROWS); like any launch of
+              # 3 or more layers capped at 128 registers, also at 4 rows (a larger LARGE_SHARED_MAX_ROWS)
               ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 3, False),
               ("qwen3-4b", 1, {**q06, "H": 32}, 33, shapes4b, False, 36, False),
               ("qwen3-8b", 1, {**q06, "H": 32}, 33, shapes8b, False, 36, False),

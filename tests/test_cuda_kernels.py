@@ -404,6 +404,8 @@ LAYERS = [
      (32, 8, 64), (384, 512, 512, 512), True),
     ("qwen2.5-0.5b", ((4, 64, 1152, 896), (4, 64, 896, 896), (4, 64, 9728, 896), (4, 64, 896, 4864)),
      (14, 2, 64), (144, 224, 304, 224), True),
+    ("G 2, D 256", ((4, 64, 4096, 1024), (4, 64, 1024, 2048), (4, 64, 6144, 1024), (4, 64, 1024, 3072)),
+     (8, 4, 256), (512, 256, 384, 256), False),   # attention blocks of 512 query-head values
 ]
 
 
@@ -439,7 +441,7 @@ def captured_layer(M, shapes, heads, nsplit, large=False):
     ("qwen3-4b", 1, (True, True, True, True)), ("qwen3-4b", 2, (True, True, True, True)),
     ("qwen3-8b", 1, (True, True, True, True)), ("qwen3-8b", 4, (True, True, True, True)),
     ("llama-3.2-1b", 1, (False, False, True, False)), ("llama-3.2-1b", 2, (False, True, True, True)),
-    ("qwen2.5-0.5b", 4, (False, False, False, True))])
+    ("qwen2.5-0.5b", 4, (False, False, False, True)), ("G 2, D 256", 2, (False, False, False, False))])
 def test_layer_phases_on_tensor_cores(name, M, on_mma):
     """Which phases (QKV, o_proj, gate/up, down) gemv_mma.cu takes, as measured (gemv.py): gate/up
     always; o_proj and down from 2 rows, at one row where their tiles fill more than half the wave
@@ -488,8 +490,14 @@ def test_layer_launch_sizes(name, shapes, heads, blocks, staged):
     assert (kw["shared_memory"] > 0) == staged
 
 
+def test_attention_head_subgroups():
+    """Query heads per attention block of the one-launch layer: pairs of an even G, one of an odd G
+    (all of an odd G took the launch over 128 registers: attention.head_subgroup)."""
+    assert [A.head_subgroup(G) for G in range(1, 9)] == [1, 2, 1, 2, 1, 2, 1, 2]
+
+
 @pytest.mark.parametrize("name,heads,one_row", [(name, heads, n) for (name, _, heads, _, _), n in
-                                                zip(LAYERS, (64, 33, 33, 33, 37))])
+                                                zip(LAYERS, (64, 33, 33, 33, 37, 64))])
 def test_attention_splits_within_one_wave(name, heads, one_row):
     """Decode attention's splits of the sequence (attention.attn_partials, as layer.layers_launch and
     FastBlock.wide ask for them) at 1-64 rows: at most ATTN_TARGET_BLOCKS blocks (more were slower on

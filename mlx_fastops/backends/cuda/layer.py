@@ -158,7 +158,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
                         if not isinstance(a, str) and not a[1])   # a layer's own arrays, in call order
     inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"] + [f"{b}{j}" for j in range(nlayers) for b in own]
     body = (_loop_body if nlayers > 1 else _one_layer_body)(phase_args, sizes, nlayers, stamps)
-    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0], nlayers > 2), groups, inputs
+    return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
 
 
 def _dispatch(calls, sizes, group, picks, reset, stamps):
@@ -233,18 +233,20 @@ def _counter_reset(group, arrivals, counters, only_if=""):
             f"    for (int i = 0; i < {counters}; ++i) const_cast<int*>(ctr)[i] = 0;", "  }", "}"]
 
 
-def _layer_kernel(header, body, inputs, nlayers, stamps, smem, bounded):
+def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
     # MLX puts the header before its `namespace mlx::core::cu {` (where Shape and Strides live)
     header = "namespace mlx::core::cu {\n" + "".join(header) + "}  // namespace mlx::core::cu\n"
     outputs = ["out", "yq", "ys", "o", "pm", "po", "h", "a"] + ["r0", "r1"][:min(nlayers - 1, 2)]
     outputs += ["stamps"] if stamps else []
+    bounded = nlayers > 2
     name = kernel_name("layer", header + body + f"bounded={bounded}")   # MLX caches modules by name
     if bounded:
         # 3 or more layers in a launch: their per-layer input switch took offline ptxas to 130
         # registers for 3 Qwen3-4B layers at one row and 156 at 4 rows, 150 for 28 Qwen3-0.6B layers
         # and 167 for 16 Llama-3.2-1B layers at 8 rows (3 blocks per SM, not gemv.BLOCKS_PER_SM);
         # capped, 127-128 and no spills (2 large layers fit 128 uncapped, and spill 16-20 bytes at 4
-        # rows capped). tests/cuda_compile_check.py requires BLOCKS_PER_SM blocks for these.
+        # rows capped; Qwen2.5-0.5B's 24 at 8 rows spill 32 capped, untimed). tests/cuda_compile_check.py
+        # requires BLOCKS_PER_SM blocks for these.
         # MLX writes `__global__ void custom_kernel_<name>(`; the macro makes it `__global__ void
         # __launch_bounds__(128, BLOCKS_PER_SM) custom_kernel_<name>(`; the body undefines it.
         k = f"custom_kernel_{name}"
