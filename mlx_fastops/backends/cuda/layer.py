@@ -245,7 +245,7 @@ def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
         # registers for 3 Qwen3-4B layers at one row and 156 at 4 rows, 150 for 28 Qwen3-0.6B layers
         # and 167 for 16 Llama-3.2-1B layers at 8 rows (3 blocks per SM, not gemv.BLOCKS_PER_SM);
         # capped, 127-128 and no spills (2 large layers fit 128 uncapped, and spill 16-20 bytes at 4
-        # rows capped; Qwen2.5-0.5B's 24 at 8 rows spill 32 capped, untimed). tests/cuda_compile_check.py
+        # rows capped; Qwen2.5-0.5B's 24 at 8 rows spill 32 capped, 1% slower). tests/cuda_compile_check.py
         # requires BLOCKS_PER_SM blocks for these.
         # MLX writes `__global__ void custom_kernel_<name>(`; the macro makes it `__global__ void
         # __launch_bounds__(128, BLOCKS_PER_SM) custom_kernel_<name>(`; the body undefines it.
