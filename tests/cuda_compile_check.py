@@ -227,6 +227,8 @@ def cases():
               # odd G: one query head an attention block (attention.head_subgroup; G = 3, 5, 7)
               ("qwen3-14b", 1, {**q06, "H": 40}, 17, shapes14b, False, 1, False),
               ("qwen2.5-7b", 1, {**q25, "D": 128, "H": 28, "HKV": 4}, 17, shapes25_7b, True, 1, False),
+              # a QKV bias on gemv_mma.cu's head epilogue (on gemv.cu at 8 rows: 207 registers)
+              ("qwen2.5-7b batch", 8, {**q25, "D": 128, "H": 28, "HKV": 4, "lpad": True}, 2, shapes25_7b, True, 1, False),
               ("llama-3b batch", 2, {**llama3b, "lpad": True}, 11, shapes_l3b, False, 1, False),
               ("llama-3b batch", 8, {**llama3b, "lpad": True}, 2, shapes_l3b, False, 1, False),
               ("llama-1b", 1, llama1b, 33, shapes_l1b, False, 1, False),

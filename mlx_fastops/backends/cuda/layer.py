@@ -111,7 +111,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
         if mma_takes(dtype, M, K, N, bits, gs, epi, has_bias, room, hd["D"] if hd else 0, large):
             plan = mma_plan(M, K, N, epi)
             stage_bytes, launched = mma_stage_bytes(M, N, epi, plan), plan[2]
-            src, d = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan, hd)
+            src, d = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan, hd, has_bias)
         else:
             vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
             stage = x_stage(M, K, dtype, bits, vec, room)
