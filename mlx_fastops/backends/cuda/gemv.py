@@ -160,15 +160,12 @@ def mma_stage_bytes(M, N, epi, plan):
     return (0 if mma_tile8(N, epi) else ks * M * _MMA_GROUP_ROW_BYTES) + tpb * _MMA_PARTIALS
 
 
-MMA_BIAS = True   # experiment (branch mma-bias): False puts a QKV with bias back on gemv.cu, as main
-
-
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0, large=False):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu). EPI 3 (QKV, heads of
     head_dim): in a large layer, where a head is whole tiles of 16 rows; the only epilogue with a bias."""
     if epi == 3 and (head_dim % 16 or not large):
         return False
-    return (epi in (1, 2, 3) and dtype in HALF and bits == 4 and gs == 64 and (epi == 3 and MMA_BIAS or not bias) and K % 256 == 0 and M <= 8 and room
+    return (epi in (1, 2, 3) and dtype in HALF and bits == 4 and gs == 64 and (epi == 3 or not bias) and K % 256 == 0 and M <= 8 and room
             and (epi == 2 or M >= MMA_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
             and mma_plan(M, K, N, epi) is not None)
 
