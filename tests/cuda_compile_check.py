@@ -179,9 +179,11 @@ def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
     outs = [(n, "float" if n in ("ys", "pm", "po") else "int64_t" if n == "stamps" else T) for n in kw["output_names"]]
     # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel). A
     # layer launched alone, and layers 3 or more to a launch (the cap's purpose), must keep
-    # gemv.BLOCKS_PER_SM blocks per SM, which the GEMV blockings assume
+    # gemv.BLOCKS_PER_SM blocks per SM, which the GEMV blockings assume. Instrumented launches (stamps:
+    # a layer's phase tables, not decode) may spill a few bytes under the cap (4 Llama-3.2-1B layers: 4)
     need = G.BLOCKS_PER_SM if nlayers != 2 else 1
-    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128, need
+    spill_ok = 16 if stamps else 0
+    return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128, need, spill_ok
 
 
 def cases():
@@ -290,7 +292,8 @@ def main():
     ptxas = _find(["nvidia/cuda_nvcc/bin/ptxas", "bin/ptxas"])
     bad = 0
     with tempfile.TemporaryDirectory() as td:
-        for name, (src, threads, *need) in cases():
+        for name, (src, threads, *limits) in cases():
+            need, spill_ok = limits or (1, 0)   # blocks per SM, spilled bytes allowed (layer_case)
             if filt not in name:
                 continue
             t0 = time.perf_counter()
@@ -314,11 +317,8 @@ def main():
             # blocks of `threads` per SM that the registers allow (allocated 8 per thread at a time; the layer's
             # blockings assume 4: gemv.RESIDENT_BLOCKS)
             per_sm = min(65536 // (-(-max(regs) // 8) * 8 * threads), 2048 // threads) if regs else 0
-            # instrumented launches (stamps: a layer's phase tables, not decode) may spill a few bytes under
-            # the register cap of a multi-layer launch (4 Llama-3.2-1B layers: 4 bytes)
-            spilled = any(spills) and not ("stamps" in name and max(spills) <= 16)
-            ok = (r.returncode == 0 and all(g * threads <= 65536 for g in regs) and not spilled and not calls
-                  and per_sm >= max(need, default=1))
+            ok = (r.returncode == 0 and all(g * threads <= 65536 for g in regs) and max(spills, default=0) <= spill_ok
+                  and not calls and per_sm >= need)
             print(f"{name:22s} {'OK ' if ok else 'ERR'} thr={threads} blocks/SM={per_sm} calls={calls} nvrtc={secs:.1f}s "
                   f"ptxas={secs_ptxas:.1f}s {' | '.join(info)[:160]}")
             if not ok:
