@@ -40,10 +40,9 @@
 // 3 head (QKV): ys[m, n] = float(T(acc)) (HAS_BIAS: float(T(T(acc) + bias[n])), gemv.cu's rounding), then
 // the block that completes a head (D / 16 tiles, a block each: STREAM 0) runs head.cuh's epilogue, as
 // gemv.cu's EPI 3 does.
-// Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), HAS_BIAS
-// (EPI 3), KS, STREAM,
+// Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM,
 // TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS],
-// [NO_EARLY_PREFETCH], [PHASE_MARKS]; EPI 3: head.cuh's (L, H, HKV, D, ...).
+// [NO_EARLY_PREFETCH], [PHASE_MARKS]; EPI 3: HAS_BIAS and head.cuh's (L, H, HKV, D, ...).
 // KS, TPB and STREAM are planned for one K and N (gemv.py's mma_plan; builds are keyed on shapes).
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [bias [N]], [res [M, N]];
 // EPI 3: head.cuh's inputs, then cnt (a ticket per head). Output: y [M, N] (EPI 2: [M, N/2]); EPI 3:
@@ -364,7 +363,8 @@
 #if EPI == 1
           y[(size_t)m * N + n] = static_cast<T>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(y0));
 #elif HAS_BIAS
-          ys[(size_t)m * N + n] = static_cast<float>(static_cast<T>(static_cast<float>(y0) + static_cast<float>(bias[n])));
+          ys[(size_t)m * N + n] =
+              static_cast<float>(static_cast<T>(static_cast<float>(y0) + static_cast<float>(bias[n])));
 #else
           ys[(size_t)m * N + n] = static_cast<float>(y0);
 #endif

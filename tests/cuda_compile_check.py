@@ -180,7 +180,7 @@ def layer_case(M, head, nsplit, shapes, bias=False, nlayers=1, stamps=False):
     # MLX's kernel name, which a register cap's macro in the header names (layer._layer_kernel). A
     # layer launched alone, and layers 3 or more to a launch (the cap's purpose), must keep
     # gemv.BLOCKS_PER_SM blocks per SM, which the GEMV blockings assume. Instrumented launches (stamps:
-    # a layer's phase tables, not decode) may spill a few bytes under the cap (4 Llama-3.2-1B layers: 4)
+    # a layer's phase tables, not decode) may spill a few bytes under the cap (4 Llama-3.2-1B layers: 4 bytes)
     need = G.BLOCKS_PER_SM if nlayers != 2 else 1
     spill_ok = 16 if stamps else 0
     return wrap(f"custom_kernel_{kw['name']}", kw["source"], ins, outs, kw["header"]), 128, need, spill_ok

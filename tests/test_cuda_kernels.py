@@ -352,7 +352,7 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, dtype, monkey
             M, gu, o = batch * L, fb.gate_up, fb.o
             if mma == "all":
                 assert G.mma_takes(dt, M, gu.in_features, gu.out_features, 4, 64, 2, False, True)
-                qkv = fb.qkv   # with its head epilogue, and its bias (qwen2-tiny*)
+                qkv = fb.qkv   # with its head epilogue, and its bias (qwen2-tiny)
                 assert G.mma_takes(dt, M, qkv.in_features, qkv.out_features, 4, 64, 3,
                                    qkv.bias is not None, True, fb.D, not fb.grouped)
             else:
@@ -389,6 +389,55 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, dtype, monkey
     for variant in variants:
         for a, b in zip(launched, variant):
             assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_qkv_bias_on_tensor_cores_rounds_as_gemv(batch, monkeypatch):
+    """Qwen2.5's QKV bias on gemv_mma.cu's head epilogue rounds as gemv.cu's does: T(T(acc) + bias).
+    With x = +-1, the input norm's weight 1 and QKV weights (q - 8) / 8, every product and sum of
+    either GEMV is exact in fp32, so both reach the same acc whatever their order; the sums need
+    more bits than T holds, and the bias as much as they do, so both roundings are exercised. The launch with QKV on tensor cores must
+    then equal, bit for bit, the one with QKV on gemv.cu (the other phases the same in both)."""
+    from mlx_fastops import synthetic_model
+    import mlx_fastops
+
+    monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    monkeypatch.setattr(G, "MMA_MIN_ROWS", 1)
+    monkeypatch.setattr(block, "GROUP_MAX_WEIGHTS", 0)   # QKV as in a large layer
+    kernels.clear_builders()
+    model = synthetic_model("qwen2-tiny", bits=4, dtype=mx.bfloat16, seed=5)
+    blk = model.model.layers[0]
+    blk.input_layernorm.weight = mx.ones_like(blk.input_layernorm.weight)
+    for proj in (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj):
+        proj.scales = mx.full(proj.scales.shape, 0.125, proj.scales.dtype)
+        proj.biases = mx.full(proj.biases.shape, -1.0, proj.biases.dtype)
+        # as large as the sums, so that T(acc)'s rounding shows through their cancellations
+        proj.bias = (8 * mx.random.normal(proj.bias.shape)).astype(proj.bias.dtype)
+    mlx_fastops.patch(model, disable=("compile",))
+    try:
+        fb = model.model.layers[0].fast_fn
+        qkv = fb.qkv
+        assert qkv.bias is not None and G.mma_takes(mx.bfloat16, batch, qkv.in_features, qkv.out_features, 4, 64,
+                                                     3, True, True, fb.D, not fb.grouped)
+        x = (2 * mx.random.bernoulli(shape=(batch, 1, qkv.in_features)) - 1).astype(mx.bfloat16)
+        k0 = mx.random.normal((batch, fb.HKV, 512, fb.D)).astype(mx.bfloat16)
+
+        def run():
+            kc, vc = k0 + 0, k0 * 2
+            mx.eval(kc, vc)
+            out = fb.core(x, offset_array(300), kc, vc, kc) + (kc, vc)
+            mx.eval(out)
+            return out
+
+        on_mma = run()
+        monkeypatch.setattr(layer, "mma_takes", lambda *a, **k: a[6] != 3 and G.mma_takes(*a, **k))
+        kernels.clear_builders()
+        on_gemv = run()
+    finally:
+        mlx_fastops.unpatch(model)
+        kernels.clear_builders()
+    for a, b in zip(on_mma, on_gemv):
+        assert mx.array_equal(a, b)
 
 
 # Real layer shapes ((bits, gs, N, K) of qkv, o, gate/up, down), heads (H, HKV, D), then the blocks
@@ -456,8 +505,12 @@ def test_layer_phases_on_tensor_cores(name, M, on_mma):
                 for (bits, gs, N, K), epi in zip(shapes, (3, 1, 2, 1)))
     assert got == on_mma
     qkv = shapes[0]
-    # a QKV bias (Qwen2.5) rides gemv_mma.cu's head epilogue; no other phase has one
+    # a QKV bias (Qwen2.5) rides gemv_mma.cu's head epilogue; no other phase there takes one
     assert G.mma_takes(mx.bfloat16, M, qkv[3], qkv[2], 4, 64, 3, True, room, D, large) == on_mma[0]
+    assert not any(G.mma_takes(mx.bfloat16, M, K, N, bits, gs, epi, True, room)
+                   for (bits, gs, N, K), epi in zip(shapes[1:], (1, 2, 1)))
+    with pytest.raises(ValueError, match="only in the QKV phase"):
+        G.mma_defines(mx.bfloat16, M, shapes[1][2], 1, None, (1, 1, 1), bias=True)
     if M == 1 and not large:   # a small model's layers launched one by one (GROUP_MAX_WEIGHTS 0) round as
         # its grouped launch does: QKV's tiles do not fill the wave (test_cuda_models' bitwise test)
         assert not G.mma_takes(mx.bfloat16, 1, qkv[3], qkv[2], 4, 64, 3, False, room, D, True)

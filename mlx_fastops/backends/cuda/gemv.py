@@ -162,23 +162,27 @@ def mma_stage_bytes(M, N, epi, plan):
 
 def mma_takes(dtype, M, K, N, bits, gs, epi, bias, room, head_dim=0, large=False):
     """Whether a phase of the one-launch layer runs gemv_mma.cu (else gemv.cu). EPI 3 (QKV, heads of
-    head_dim): in a large layer, where a head is whole tiles of 16 rows; the only epilogue with a bias."""
+    head_dim): in a large layer, where a head is whole tiles of 16 rows; the only one that may carry a
+    bias."""
     if epi == 3 and (head_dim % 16 or not large):
         return False
-    return (epi in (1, 2, 3) and dtype in HALF and bits == 4 and gs == 64 and (epi == 3 or not bias) and K % 256 == 0 and M <= 8 and room
-            and (epi == 2 or M >= MMA_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
+    return (epi in (1, 2, 3) and dtype in HALF and bits == 4 and gs == 64 and (epi == 3 or not bias) and K % 256 == 0
+            and M <= 8 and room and (epi == 2 or M >= MMA_MIN_ROWS or 2 * mma_tiles(N, epi) > RESIDENT_BLOCKS)
             and mma_plan(M, K, N, epi) is not None)
 
 
 def mma_defines(dtype, M, N, epi, eps, plan, head=None, bias=False):
-    """#defines of a gemv_mma.cu phase of mma_plan's plan (EPI 3: with the head epilogue's)."""
+    """#defines of a gemv_mma.cu phase of mma_plan's plan (EPI 3: with the head epilogue's, and
+    HAS_BIAS: the only phase whose source adds a bias)."""
+    if bias and head is None:
+        raise ValueError("gemv_mma.cu adds a bias only in the QKV phase (EPI 3, with its head epilogue)")
     ks, tpb, blocks = plan
-    d = dict(M=M, NW=_MMA_WARPS, EPI=epi, TILE8=mma_tile8(N, epi), HAS_NORM=eps is not None, HAS_BIAS=bias, KS=ks, TPB=tpb,
+    d = dict(M=M, NW=_MMA_WARPS, EPI=epi, TILE8=mma_tile8(N, epi), HAS_NORM=eps is not None, KS=ks, TPB=tpb,
              MMA_BF16=dtype == mx.bfloat16, STREAM=blocks if blocks < mma_tiles(N, epi) else 0)
     if eps is not None:
         d["EPS"] = flt(eps)
     if head is not None:
-        d.update(head_defines(head))
+        d.update(head_defines(head), HAS_BIAS=bias)
     return d
 
 

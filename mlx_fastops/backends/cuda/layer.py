@@ -132,8 +132,8 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     # On large layers no GEMV phase sends rows to L2 before its wait: each phase's blocks enter while
     # the one before runs, and their prefetches cost it more than they sped their own phase (down's
     # took gate/up's bandwidth; o_proj's and gate/up's slowed attention's merge); QKV's delayed the
-    # launch's start, and where large layers share a launch (one-row steps), sent during the layer
-    # before's down, it slowed decode by 3-4% (design doc, "Prefetch before wait").
+    # launch's start and, sent during the previous layer's down where large layers share a launch
+    # (one-row steps), slowed decode by 3-4% (design doc, "Prefetch before wait").
     gemv_phase("layer_qkv", qb, qg, qN, qK, 3, eps_in, bias, False, head)
     ad = attn_defines(L, H, HKV, D, scale, gb)
     if head.get("lpad"):
