@@ -391,13 +391,24 @@ def test_one_launch_layer_matches_stock_block(name, batch, L, mma, dtype, monkey
             assert mx.array_equal(a, b)
 
 
+def layer_outputs(fb, x, k0):
+    """One layer launch (fb.core) over x at offset 300 of a fresh cache (k0, and 2 k0 as v): its
+    outputs, then the cache buffers it wrote into."""
+    kc, vc = k0 + 0, k0 * 2
+    mx.eval(kc, vc)
+    out = fb.core(x, offset_array(300), kc, vc, kc) + (kc, vc)
+    mx.eval(out)
+    return out
+
+
 @pytest.mark.parametrize("batch", [2, 8])
 def test_qkv_bias_on_tensor_cores_rounds_as_gemv(batch, monkeypatch):
     """Qwen2.5's QKV bias on gemv_mma.cu's head epilogue rounds as gemv.cu's does: T(T(acc) + bias).
     With x = +-1, the input norm's weight 1 and QKV weights (q - 8) / 8, every product and sum of
     either GEMV is exact in fp32, so both reach the same acc whatever their order; the sums need
-    more bits than T holds, and the bias as much as they do, so both roundings are exercised. The launch with QKV on tensor cores must
-    then equal, bit for bit, the one with QKV on gemv.cu (the other phases the same in both)."""
+    more bits than T holds, and the bias as much as they do, so both roundings are exercised. The
+    launch with QKV on tensor cores must then equal, bit for bit, the one with QKV on gemv.cu (the
+    other phases the same in both)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -421,18 +432,10 @@ def test_qkv_bias_on_tensor_cores_rounds_as_gemv(batch, monkeypatch):
                                                      3, True, True, fb.D, not fb.grouped)
         x = (2 * mx.random.bernoulli(shape=(batch, 1, qkv.in_features)) - 1).astype(mx.bfloat16)
         k0 = mx.random.normal((batch, fb.HKV, 512, fb.D)).astype(mx.bfloat16)
-
-        def run():
-            kc, vc = k0 + 0, k0 * 2
-            mx.eval(kc, vc)
-            out = fb.core(x, offset_array(300), kc, vc, kc) + (kc, vc)
-            mx.eval(out)
-            return out
-
-        on_mma = run()
+        on_mma = layer_outputs(fb, x, k0)
         monkeypatch.setattr(layer, "mma_takes", lambda *a, **k: a[6] != 3 and G.mma_takes(*a, **k))
         kernels.clear_builders()
-        on_gemv = run()
+        on_gemv = layer_outputs(fb, x, k0)
     finally:
         mlx_fastops.unpatch(model)
         kernels.clear_builders()
@@ -591,15 +594,7 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
         M, K = batch * L, fb.K
         k0 = mx.random.normal((batch, fb.HKV, 512, fb.D)).astype(mx.bfloat16)
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)
-
-        def run():
-            kc, vc = k0 + 0, k0 * 2
-            mx.eval(kc, vc)
-            out = fb.core(x, offset_array(300), kc, vc, kc) + (kc, vc)
-            mx.eval(out)
-            return out
-
-        base = run()
+        base = layer_outputs(fb, x, k0)
         if variant == "one_wave":
             assert G.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 2
             monkeypatch.setattr(G, "RESIDENT_BLOCKS", 1)
@@ -616,7 +611,7 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
             else:
                 nb = G.gemv_blocks(N, 2, G.gemv_config(M, K, N, 4, 2, True)[1], 4)
             assert G.stream_blocks(nb) == 3 and nb % 3   # streamed, in uneven shares
-        forced = run()
+        forced = layer_outputs(fb, x, k0)
     finally:
         mlx_fastops.unpatch(model)
         kernels.clear_builders()   # no kernel built with the forced sizes outlives the test
