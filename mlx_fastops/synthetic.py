@@ -16,6 +16,8 @@ from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 _QWEN3 = {"model_type": "qwen3", "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
           "rope_theta": 1000000.0, "head_dim": 128}
+_QWEN2 = {"model_type": "qwen2", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+          "rope_theta": 1000000.0}
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -42,18 +44,15 @@ CONFIGS = {
                      "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": 128256,
                      "max_position_embeddings": 131072, "rope_theta": 500000.0,
                      "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False},
-    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-                     "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-                     "rms_norm_eps": 1e-6, "vocab_size": 151936, "max_position_embeddings": 32768,
-                     "rope_theta": 1000000.0, "tie_word_embeddings": True},
-    "qwen2.5-3b": {"model_type": "qwen2", "hidden_size": 2048, "intermediate_size": 11008,
-                   "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
-                   "rms_norm_eps": 1e-6, "vocab_size": 151936, "max_position_embeddings": 32768,
-                   "rope_theta": 1000000.0, "tie_word_embeddings": True},
-    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
-                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                   "rms_norm_eps": 1e-6, "vocab_size": 152064, "max_position_embeddings": 32768,
-                   "rope_theta": 1000000.0, "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "tie_word_embeddings": True},
+    "qwen2.5-3b": {**_QWEN2, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+                   "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936,
+                   "tie_word_embeddings": True},
+    "qwen2.5-7b": {**_QWEN2, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                   "tie_word_embeddings": False},
     # Qwen3-shaped, small enough for MLX's CPU backend (the default model of `bench` on CPU).
     "qwen3-cpu": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
                   "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32768,
@@ -73,15 +72,13 @@ CONFIGS = {
                    "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 4096,
                    "max_position_embeddings": 131072, "rope_theta": 500000.0,
                    "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False},
-    "qwen2-tiny": {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 384,
-                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,
-                   "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "qwen2-tiny": {**_QWEN2, "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096,
+                   "max_position_embeddings": 4096, "tie_word_embeddings": True},
     # GQA 5 (Qwen3-14B's): odd G, one query head per CUDA attention block (Qwen2.5-0.5B's 7 too)
-    "qwen2-tiny-g5": {"model_type": "qwen2", "hidden_size": 320, "intermediate_size": 384,
-                      "num_hidden_layers": 2, "num_attention_heads": 5, "num_key_value_heads": 1,
-                      "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 4096,
-                      "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "qwen2-tiny-g5": {**_QWEN2, "hidden_size": 320, "intermediate_size": 384, "num_hidden_layers": 2,
+                      "num_attention_heads": 5, "num_key_value_heads": 1, "vocab_size": 4096,
+                      "max_position_embeddings": 4096, "tie_word_embeddings": True},
 }
 # llama-tiny with K = 2304 (36 groups of 64): the tensor-core GEMV stages over 128 items a step of x,
 # so its threads take a second item, and at 8 rows K is sliced (tests of cuda/gemv_mma.cu's staging).
