@@ -59,6 +59,8 @@ fi
 TESTPATH=$( [ -d /root/test-site/xdist ] && echo /root/test-site: )$PYTHONPATH
 XDIST=$(PYTHONPATH=$TESTPATH python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+# The device returns at most 8 files from $OUT: a mode's folder of logs goes back as one archive.
+pack() { tar czf "$OUT/$1.tgz" -C "$OUT/$1" . && rm -rf "${OUT:?}/$1"; }
 bench() {   # bench OUTPREFIX TIMEOUT [--variant NAMES ...]
   local prefix=$1 limit=$2; shift 2
   timeout "$limit" python3 -m mlx_fastops bench --model $MODELS -p 512,2048,8192 -g 128 -n 3 "$@" \
@@ -129,7 +131,7 @@ case "$mode" in
         -p 256 -g 32 -n 2 --out "$A/cuda_batch${dis:+_no_$dis}" > "$A/batch${dis:+_no_$dis}.log" 2>&1
       echo "== disable '$dis'"; grep -E "^\| (qwen|llama)" "$A/cuda_batch${dis:+_no_$dis}.md" | grep " tg" | cut -c1-130
     done
-    tar czf "$OUT/batch_ab.tgz" -C "$A" . ;;
+    pack batch_ab ;;
   serve)
     MLX_FASTOPS_TUNE=off timeout 560 python3 benchmarks/serve_load.py --model qwen3-0.6b --clients 1,4,16 \
       --requests-per-client 2 --max-tokens 32 --time-limit 15 --out "$R/serve_load" > "$OUT/serve.log" 2>&1
@@ -140,7 +142,7 @@ case "$mode" in
     for names in "${@:2}"; do bvar+=(--variant "$names"); pdis+=(--disable "$names"); done
     phases "$A" $((60 * (n + 1))) "${pdis[@]}"
     bench "$A/cuda_bench" $((170 * (n + 1))) "${bvar[@]}"
-    tar czf "$OUT/ab.tgz" -C "$A" . ;;
+    pack ab ;;
   trees)
     : "${2:?usage: cuda_visit.sh trees DIR [DIR...]}"
     A="$OUT/trees"; mkdir -p "$A"
@@ -159,7 +161,7 @@ case "$mode" in
           t = t " " $3 " " c ";"; next}
         /^[|] 0 [|]/{t = t " " $3 (ins ? " " $4 ", " med($5) " / " med($6) " / " med($7) " / " med($8) ";" : " " $10)}' FS=' *[|] *' "$A/$n.md"
     done; done
-    tar czf "$OUT/trees.tgz" -C "$A" . ;;
+    pack trees ;;
   prefill)
     timeout 540 python3 benchmarks/cuda_prefill.py --out "$R/cuda_prefill" > "$OUT/prefill.log" 2>&1
     tail -n 20 "$OUT/prefill.log"; cp "$R"/cuda_prefill.* "$OUT/" ;;
@@ -175,7 +177,7 @@ case "$mode" in
         --flush-l2 $mb --out "$A/flush${mb}_$r" > "$A/flush${mb}_$r.log" 2>&1
       echo "== flush $mb MB, run $r"; grep -E "^\| (qwen|llama)" "$A/flush${mb}_$r.md" | cut -c1-110
     done; done
-    tar czf "$OUT/phases_l2.tgz" -C "$A" . ;;
+    pack phases_l2 ;;
   attn_splits)
     A="$OUT/attn_splits"; mkdir -p "$A"
     for p in 512 2048; do for m in qwen3-4b qwen3-8b; do   # one run per model: each writes its tables at its end
@@ -183,7 +185,7 @@ case "$mode" in
         --attn-blocks 528,264,132,66 --out "$A/${m}_prompt$p" > "$A/${m}_prompt$p.log" 2>&1
       echo "== $m, $p cached positions"; grep -E "^\| 0 \| attention|^## " "$A/${m}_prompt$p.md" | cut -c1-160
     done; done
-    tar czf "$OUT/attn_splits.tgz" -C "$A" . ;;
+    pack attn_splits ;;
   host)
     timeout 300 python3 benchmarks/cuda_host.py --out "$R/cuda_host" > "$OUT/host.log" 2>&1
     tail -n 24 "$OUT/host.log"; cp "$R"/cuda_host.* "$OUT/"
@@ -219,6 +221,6 @@ case "$mode" in
     OUT="$A" TEST_TIMEOUT=280 bash "$0" correctness   # the two suites side by side, capped to leave room
     phases "$A" 90
     bench "$A/cuda_bench" 200
-    tar czf "$OUT/all.tgz" -C "$A" . ;;
+    pack all ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
