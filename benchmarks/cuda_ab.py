@@ -3,14 +3,16 @@ traced under its own value of one module constant of mlx_fastops.backends.cuda, 
 by the benchmark engine (bench.compare: alternating order, medians with min-max).
 
     python3 benchmarks/cuda_ab.py --set attention.ATTN_TARGET_BLOCKS=264,528 [--models qwen3-4b]
-        [-p 8192,512] [-g 128] [-n 3] [--batch B] [--out PREFIX]
+        [-p 8192,512] [-g 128] [-n 3] [--batch B | --kv-bits B] [--out PREFIX]
 
 One copy per value (the first is the baseline of the ratios and of greedy agreement), patched under
 its value. Before each of its generations a copy's value is set and the kernel builders' caches are
 cleared, so that what its compiled step traces (at its first generation and at each new buffer
 length) is built under its own value. A constant that another module of the backend imported by
 name is refused. A setting that changes no arithmetic must keep the agreement whole. --batch B: B
-rows through mlx-lm's BatchGenerator (bench.batch_generation). Prints the engine's table
+rows through mlx-lm's BatchGenerator (bench.batch_generation); --kv-bits B: every copy generates over
+mlx-lm's B-bit QuantizedKVCache (generate_step's kv_bits, as bench's kvB variant; the copies' names say
+kvB). Prints the engine's table
 (bench.to_markdown); --out PREFIX also writes PREFIX.md and PREFIX.json.
 """
 
@@ -64,7 +66,7 @@ def setter(module, name, value):
     return prepare
 
 
-def ab(model_name, module, name, values, prompts, gen, trials, batch=None):
+def ab(model_name, module, name, values, prompts, gen, trials, batch=None, kv_bits=None):
     """One model's result, as bench.run gives it: the rows of bench.compare over a copy per value."""
     default = getattr(module, name)
     try:
@@ -74,7 +76,11 @@ def ab(model_name, module, name, values, prompts, gen, trials, batch=None):
             prepare()
             model = synthetic_model(model_name, bits=4)
             mlx_fastops.patch(model, tune="off")
-            copies.append((f"{name}={v!r}", model, prepare))
+            if kv_bits:   # as bench.run's patched kvB variant: from the first token
+                copies.append((f"{name}={v!r} kv{kv_bits}", model, prepare,
+                               {"kv_bits": kv_bits, "kv_group_size": bench.KV_GROUP, "quantized_kv_start": 0}))
+            else:
+                copies.append((f"{name}={v!r}", model, prepare))
         rows = bench.compare(copies, prompts, gen, trials=trials, warmup=1, batch=batch)
     finally:
         setter(module, name, default)()
@@ -89,11 +95,15 @@ def main(argv=None):
     ap.add_argument("-g", "--gen", type=int, default=128)
     ap.add_argument("-n", "--trials", type=int, default=3)
     ap.add_argument("--batch", type=int, default=None, help="rows through BatchGenerator (default: one sequence)")
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                    help="every copy over mlx-lm's QuantizedKVCache of these bits (one sequence only)")
     ap.add_argument("--out", default=None, help="also write OUT.md and OUT.json")
     a = ap.parse_args(argv)
+    if a.batch and a.kv_bits:
+        raise SystemExit("cuda_ab: --kv-bits is for one sequence (generate_step), not with --batch")
     module, name, values = parse_setting(a.setting)
     prompts = [int(p) for p in a.prompts.split(",")]
-    results = [ab(m, module, name, values, prompts, a.gen, a.trials, a.batch) for m in a.models.split(",")]
+    results = [ab(m, module, name, values, prompts, a.gen, a.trials, a.batch, a.kv_bits) for m in a.models.split(",")]
     doc = bench.document(results, prompts=prompts, gen=a.gen, trials=a.trials, warmup=1,
                          batches=[a.batch] if a.batch else None, setting=a.setting)
     text = bench.save(doc, a.out) if a.out else bench.to_markdown(doc)

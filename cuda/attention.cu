@@ -26,7 +26,8 @@
 //
 // Defines: T, L, H, HKV, D, G, GB, NW, MINCH, SCALE_LOG2; BLOCK_X/Y/Z, GRID_X: the block's
 // coordinates (blockIdx/gridDim in a launch of its own; set by the caller when it is one phase of
-// a launch); [WAIT_INPUTS] (a fused launch: the wait for the earlier phases, after the prefetch);
+// a launch); [WAIT_INPUTS, PF_ROWS] (a fused launch: the wait for the earlier phases, after the
+// prefetch of the chunk's first PF_ROWS rows);
 // [PHASE_MARKS] (layer.cuh's marks); [LEFT_PAD].
 // Inputs: q, kc, vc, off, [lp (LEFT_PAD: int32 per row)], cnt (>= B*L*HKV*G/GB).   Outputs: o [B, L, H, D],
 //   pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
@@ -53,14 +54,16 @@
   const int warp = tid >> 5, lane = tid & 31;
 #ifdef WAIT_INPUTS
   // A phase of the one-launch layer: the chunk's K/V rows of earlier steps do not
-  // depend on the earlier phases (which write only positions off[0] + l), so they are sent on to
-  // L2 before the block waits for q. A row written later is still read fresh: L2 is coherent and
-  // the rows' loads below come after the wait.
+  // depend on the earlier phases (which write only positions off[0] + l), so its first PF_ROWS
+  // rows are sent on to L2 before the block waits for q, each of the chunk's NSUB blocks every
+  // NSUB-th line (all of a long chunk, by both, slowed the phases before). A row written later is
+  // still read fresh: L2 is coherent and the rows' loads below come after the wait.
   {
     constexpr int LINES = (D * (int)sizeof(T) + 127) / 128;   // 128-byte lines per row
     const int64_t k0 = b * kc_strides[0] + hk * kc_strides[1];
     const int64_t v0 = b * vc_strides[0] + hk * vc_strides[1];
-    for (int e = tid; e < (end - start) * LINES; e += NW * 32) {
+    const int rows = min(end - start, PF_ROWS);
+    for (int e = tid + BLOCK_Y % NSUB * NW * 32; e < rows * LINES; e += NSUB * NW * 32) {
       const int p = start + e / LINES, c = (e % LINES) * (128 / (int)sizeof(T));
       prefetch_l2(kc + k0 + p * kc_strides[2] + c);
       prefetch_l2(vc + v0 + p * vc_strides[2] + c);

@@ -79,3 +79,20 @@ def test_setting_restored_when_timing_fails(monkeypatch):
 def test_bad_setting_is_named_before_any_work(setting, problem):
     with pytest.raises(SystemExit, match=problem):
         cuda_ab().parse_setting(setting)
+
+
+def test_kv_bits_reach_every_copy_and_name_it(monkeypatch):
+    ab, seen = cuda_ab(), []
+    real_generation = bench.generation
+
+    def generation(model, *args, **kw):
+        seen.append(kw)
+        return real_generation(model, *args, **kw)
+
+    monkeypatch.setattr(bench, "generation", generation)
+    text = ab.main(ARGS + ["--kv-bits", "8"])
+    assert len(seen) == 2 * (1 + 2) and all(kw == {"kv_bits": 8, "kv_group_size": bench.KV_GROUP,
+                                                   "quantized_kv_start": 0} for kw in seen), seen
+    assert "| ATTN_TARGET_BLOCKS=264 kv8 t/s | ATTN_TARGET_BLOCKS=528 kv8 t/s | ratio |" in text
+    with pytest.raises(SystemExit, match="not with --batch"):
+        ab.main(ARGS + ["--kv-bits", "8", "--batch", "2"])
