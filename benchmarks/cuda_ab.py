@@ -105,7 +105,7 @@ def main(argv=None):
     prompts = [int(p) for p in a.prompts.split(",")]
     results = [ab(m, module, name, values, prompts, a.gen, a.trials, a.batch, a.kv_bits) for m in a.models.split(",")]
     doc = bench.document(results, prompts=prompts, gen=a.gen, trials=a.trials, warmup=1,
-                         batches=[a.batch] if a.batch else None, setting=a.setting)
+                         batches=[a.batch] if a.batch else None, setting=a.setting, quantized_kv=a.kv_bits)
     text = bench.save(doc, a.out) if a.out else bench.to_markdown(doc)
     print(text)
     return text

@@ -35,9 +35,9 @@ from .phases import STAMP_COLS, layer_sets
 from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
-# Rows of a chunk that the attention phase's blocks send to L2 before their wait over a float cache,
-# shared by the chunk's head subgroups: all of a chunk, by each, after 8192 tokens slowed decode 4-6%
-# (design doc, "Fewer K/V rows sent to L2 before the wait").
+# Rows of a chunk that the attention phase sends to L2 before its wait over a float cache, once a
+# chunk (attention.cu): the whole chunk sent by each of its blocks decoded 4-5% slower after 8192
+# tokens (design doc, "Fewer K/V rows sent to L2 before the wait").
 ATTN_PREFETCH_ROWS = 64
 
 _PTYPES = {"w": "const uint32_t*", "k_w": "const uint32_t*", "v_w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
@@ -144,7 +144,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
         ad["LEFT_PAD"] = 1
     if head.get("kv"):   # the quantised cache's slots past off[0] + l are not positions yet
         ad.update(BITS=head["kv"][0], GS=head["kv"][1], CAUSAL=0, AT_OFFSET=1)
-    else:   # over a quantised cache the blocks still send all of their chunk (a cap there: not measured)
+    else:   # a float cache (a quantised one's blocks still send all of their chunk: not measured)
         ad["PF_ROWS"] = ATTN_PREFETCH_ROWS
     ys = HKV * ad["G"] // ad["GB"]   # the attention grid's y: kv heads x head subgroups
     ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {ys})",
