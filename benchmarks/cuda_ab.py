@@ -76,9 +76,8 @@ def ab(model_name, module, name, values, prompts, gen, trials, batch=None, kv_bi
             prepare()
             model = synthetic_model(model_name, bits=4)
             mlx_fastops.patch(model, tune="off")
-            if kv_bits:   # as bench.run's patched kvB variant: from the first token
-                copies.append((f"{name}={v!r} kv{kv_bits}", model, prepare,
-                               {"kv_bits": kv_bits, "kv_group_size": bench.KV_GROUP, "quantized_kv_start": 0}))
+            if kv_bits:   # as bench.run's patched kvB variant
+                copies.append((f"{name}={v!r} kv{kv_bits}", model, prepare, bench.kv_step_args(kv_bits)))
             else:
                 copies.append((f"{name}={v!r}", model, prepare))
         rows = bench.compare(copies, prompts, gen, trials=trials, warmup=1, batch=batch)

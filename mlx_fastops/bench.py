@@ -224,6 +224,11 @@ KV_VARIANT = "patched kv{bits}"
 KV_GROUP = 64   # mlx-lm's default kv_group_size
 
 
+def kv_step_args(bits):
+    """generate_step's arguments of the kvB variant: mlx-lm's QuantizedKVCache from the first token."""
+    return {"kv_bits": bits, "kv_group_size": KV_GROUP, "quantized_kv_start": 0}
+
+
 def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=(), extra=(), seed=0,
         progress=True, batch=None, kv_bits=None):
     """Stock and patched (every fusion but `disable`, untuned) on one model object, unpatch/patch
@@ -242,7 +247,7 @@ def run(model, label, prompts=(512, 2048), gen=128, trials=5, warmup=1, disable=
                 ("patched", model, lambda: patch(model, disable=disable, tune="off"))]
     if kv_bits:
         variants.append((KV_VARIANT.format(bits=kv_bits), model, lambda: patch(model, disable=disable, tune="off"),
-                         {"kv_bits": kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": 0}))
+                         kv_step_args(kv_bits)))
     reports = {"patched": report.to_dict()}
     for name, copy, copy_disable, tune in extra:
         reports[name] = patch(copy, disable=copy_disable, tune=tune).to_dict()
