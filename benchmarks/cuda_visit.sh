@@ -2,6 +2,7 @@
 # One device visit on the H200 (after `source .device-wheels/b/install.sh`, ../shared/cuda-host/README.md);
 # logs go to $OUT. Usage: bash benchmarks/cuda_visit.sh MODE [ARGS]
 #   tests        pytest -m cuda tests/test_cuda_kernels.py tests/test_cuda_qmm.py tests/test_cuda_head.py tests/test_ops.py tests/test_cuda_prefill.py
+#                tests/test_cuda_quantized_kv.py
 #   models       pytest -m cuda tests/test_cuda_models.py tests/test_cuda_batch.py
 #   correctness  both suites side by side (each over 4 pytest-xdist workers where xdist is installed)
 #   bench        the README's table: mlx-fastops bench, 4 models, -p 512,2048,8192 -g 128 -n 3 -> results/cuda_bench.*
@@ -79,7 +80,7 @@ phases() {  # phases DIR TIMEOUT [--disable NAMES ...]
 }
 case "$mode" in
   tests)
-    timeout "${TEST_TIMEOUT:-560}" env PYTHONPATH="$TESTPATH" python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py tests/test_cuda_qmm.py tests/test_cuda_head.py tests/test_ops.py tests/test_cuda_prefill.py -p no:cacheprovider \
+    timeout "${TEST_TIMEOUT:-560}" env PYTHONPATH="$TESTPATH" python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py tests/test_cuda_qmm.py tests/test_cuda_head.py tests/test_ops.py tests/test_cuda_prefill.py tests/test_cuda_quantized_kv.py -p no:cacheprovider \
       > "$OUT/test_kernels.log" 2>&1
     tail -n 8 "$OUT/test_kernels.log" ;;
   models)
