@@ -12,7 +12,7 @@
 // Grid: x = split, y = kv head * (G / GB) + head subgroup, z = b * L + l; NW warps per block (the
 // block's coordinates BLOCK_X/Y/Z, GRID_X: blockIdx/gridDim in a launch of its own, set by the
 // caller when it is a phase of the one-launch layer, which also sets WAIT_INPUTS: the wait for the
-// earlier phases, after sending the chunk's cached rows to L2). As in attention.cu: CH =
+// earlier phases, after sending the chunk's first PF_ROWS cached rows to L2). As in attention.cu: CH =
 // max(ceil(n / nsplit), MINCH) positions a split; a block takes GB of the G query heads of its kv
 // head; LPP = D / 8 lanes hold one row (8 values each, one quantisation group: GS is a multiple of
 // 8), PPW = 32 / LPP rows per warp step, SLOTS online-softmax states per block (fp32, exp2, q
@@ -22,7 +22,7 @@
 // A lane's share of a score is sk * (q . k_q) + kb * sum(q): its 8 q values' sum is taken once.
 //
 // Defines: T, L, H, HKV, D, G, GB, NW, MINCH, SCALE_LOG2, BITS (4 or 8), GS, CAUSAL, [AT_OFFSET],
-// BLOCK_X/Y/Z, GRID_X, [WAIT_INPUTS], [PHASE_MARKS].
+// BLOCK_X/Y/Z, GRID_X, [WAIT_INPUTS, PF_ROWS], [PHASE_MARKS].
 // Inputs: q, k_w, k_s, k_b, v_w, v_s, v_b, [off (AT_OFFSET)], cnt (>= B*L*HKV*G/GB).
 // Outputs: o [B, L, H, D], pm [B*L*HKV, nsplit, G, 2] f32, po [B*L*HKV, nsplit, G, D] f32.
 
@@ -48,13 +48,16 @@
   const int warp = tid >> 5, lane = tid & 31;
 #ifdef WAIT_INPUTS
   // The chunk's rows of earlier steps do not depend on the earlier phases (the QKV phase writes
-  // only positions off[0] + l): sent on to L2 before the wait, each array's span of rows by lines.
+  // only positions off[0] + l): its first PF_ROWS rows are sent on to L2 before the wait, each
+  // array's span of them by lines, each of the chunk's NSUB blocks every NSUB-th line (attention.cu).
   {
+    const int last = min(end, start + PF_ROWS) - 1;
     auto span = [&](const auto* a, const auto& st, int row_bytes) {
       const char* p0 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + start * st[2]);
       p0 -= reinterpret_cast<unsigned long long>(p0) & 127;   // from the first row's line
-      const char* p1 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + (end - 1) * st[2]) + row_bytes;
-      for (const char* p = p0 + tid * 128; p < p1; p += NW * 32 * 128) prefetch_l2(p);
+      const char* p1 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + last * st[2]) + row_bytes;
+      for (const char* p = p0 + (tid + BLOCK_Y % NSUB * NW * 32) * 128; p < p1; p += NSUB * NW * 32 * 128)
+        prefetch_l2(p);
     };
     span(k_w, k_w_strides, D * BITS / 8);
     span(v_w, v_w_strides, D * BITS / 8);

@@ -35,7 +35,7 @@ from .phases import STAMP_COLS, layer_sets
 from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
-# Rows of a chunk that the attention phase sends to L2 before its wait over a float cache, once a
+# Rows of a chunk that the attention phase sends to L2 before its wait (float or quantised cache), once a
 # chunk (attention.cu): the whole chunk sent by each of its blocks decoded 4-5% slower after 8192
 # tokens (design doc, "Fewer K/V rows sent to L2 before the wait").
 ATTN_PREFETCH_ROWS = 64
@@ -144,11 +144,9 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
         ad["LEFT_PAD"] = 1
     if head.get("kv"):   # the quantised cache's slots past off[0] + l are not positions yet
         ad.update(BITS=head["kv"][0], GS=head["kv"][1], CAUSAL=0, AT_OFFSET=1)
-    else:   # a float cache (a quantised one's blocks still send all of their chunk: not measured)
-        ad["PF_ROWS"] = ATTN_PREFETCH_ROWS
     ys = HKV * ad["G"] // ad["GB"]   # the attention grid's y: kv heads x head subgroups
     ad.update(BLOCK_X=f"(blk % {nsplit})", BLOCK_Y=f"((blk / {nsplit}) % {ys})",
-              BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit, WAIT_INPUTS=waits, **marks)
+              BLOCK_Z=f"(blk / {nsplit * ys})", GRID_X=nsplit, WAIT_INPUTS=waits, PF_ROWS=ATTN_PREFETCH_ROWS, **marks)
     attn_in = ["q", *cache_inputs(head), "off"] + (["lp"] if head.get("lpad") else []) + ["cnt"]
     header.append(_phase("layer_attn", "quantized_attention.cu" if head.get("kv") else "attention.cu", ad, dtype,
                          attn_in + _WAITS, ["o", "pm", "po"] + st, strided=cache_inputs(head)))
