@@ -35,9 +35,10 @@ from .phases import STAMP_COLS, layer_sets
 from .source import CTYPE, STANDALONE, kernel_name, source
 
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
-# Rows of a chunk that the attention phase sends to L2 before its wait (float or quantised cache), once a
-# chunk (attention.cu): the whole chunk sent by each of its blocks decoded 4-5% slower after 8192
-# tokens (design doc, "Fewer K/V rows sent to L2 before the wait").
+# Rows of a chunk that the attention phase sends to L2 before its wait, once a chunk (attention.cu,
+# quantized_attention.cu): the whole chunk sent by each of its blocks decoded 4-5% slower after 8192
+# tokens over a float cache, 0-1% over a quantised one (design doc, "Fewer K/V rows sent to L2 before
+# the wait").
 ATTN_PREFETCH_ROWS = 64
 
 _PTYPES = {"w": "const uint32_t*", "k_w": "const uint32_t*", "v_w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
