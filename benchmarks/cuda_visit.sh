@@ -39,8 +39,9 @@
 #   trace        kernel timeline of decode, stock vs patched (MODEL=qwen3-4b to choose; BATCH=32: that many rows
 #                through BatchGenerator; PROMPT: prompt tokens, 512) -> results/cuda_trace_MODEL[_bBATCH].*
 #   ncu          Nsight Compute sections of the Qwen3-0.6B kernels
-#   ncu_layer    the same for a layer launch (MODEL=qwen3-8b to choose), with memory workload, stall reasons
-#                and the SASS lines that stall most (source counters) -> $OUT/ncu_layer.log
+#   ncu_layer    the same for a layer launch (MODEL=qwen3-8b to choose; PROMPT: cached positions, 512; KV_BITS=8
+#                or 4: over a quantised cache), with memory workload, stall reasons and the SASS lines that
+#                stall most (source counters) -> $OUT/ncu_layer.log
 #   all          correctness, then phases and bench; every log in $OUT/all.tgz
 # Result files are written under benchmarks/results/ and copied to $OUT (the device returns what is
 # under $OUT). Each mode fits one 600 s device call; hand the machine back after a visit.
@@ -213,7 +214,8 @@ case "$mode" in
     timeout 240 ncu --clock-control none -k regex:fastops_layer --launch-count 4 --section SpeedOfLight \
       --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section SourceCounters \
-      python3 benchmarks/cuda_layer_phases.py --models "${MODEL:-qwen3-8b}" --layers 1 --reps 2 --out "$OUT/ncu_phases" \
+      python3 benchmarks/cuda_layer_phases.py --models "${MODEL:-qwen3-8b}" --layers 1 --reps 2 \
+      --prompt "${PROMPT:-512}" --kv-bits "${KV_BITS:-0}" --out "$OUT/ncu_phases" \
       > "$OUT/ncu_layer.log" 2>&1
     grep -E "fastops|Duration|Throughput|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|Stall" \
       "$OUT/ncu_layer.log" | head -n 80 ;;
