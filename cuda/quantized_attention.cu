@@ -49,7 +49,7 @@
 #ifdef WAIT_INPUTS
   // The chunk's rows of earlier steps do not depend on the earlier phases (the QKV phase writes
   // only positions off[0] + l): its first PF_ROWS rows are sent on to L2 before the wait, each
-  // array's span of them by lines, each of the chunk's NSUB blocks every NSUB-th line (attention.cu).
+  // array's span of them by lines; the chunk's NSUB blocks take turns by runs of NW * 32 lines (attention.cu).
   {
     const int last = min(end, start + PF_ROWS) - 1;
     auto span = [&](const auto* a, const auto& st, int row_bytes) {

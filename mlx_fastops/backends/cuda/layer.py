@@ -12,11 +12,11 @@
 
 A block of group g waits for every block of group g - 1 (cuda/layer.cuh) after it has started
 loading what does not depend on it (its weights; the attention's cached K/V rows): gemv.cu,
-gemv_mma.cu and attention.cu wait inside (WAIT_INPUTS). Several consecutive layers of one shape can
-share a launch (5 groups per layer; step.launch_runs decides): each phase then has one call site
-whose blocks pick their layer's inputs at run time, so the code, and its float arithmetic, is the
-one-layer launch's for any number of layers (with one call site per layer NVRTC outlined some phases
-of long launches, and those copies rounded differently).
+gemv_mma.cu, attention.cu and quantized_attention.cu wait inside (WAIT_INPUTS). Several
+consecutive layers of one shape can share a launch (5 groups per layer; step.launch_runs decides):
+each phase then has one call site whose blocks pick their layer's inputs at run time, so the code,
+and its float arithmetic, is the one-layer launch's for any number of layers (with one call site per
+layer NVRTC outlined some phases of long launches, and those copies rounded differently).
 
 Each phase is its kernel file compiled as `__device__ void layer_<phase>(int blk, ...)` with its own
 defines (BLOCK_X... = the block's coordinates within its group). The per-layer dispatch (which
@@ -37,8 +37,8 @@ from .source import CTYPE, STANDALONE, kernel_name, source
 LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 # Rows of a chunk that the attention phase sends to L2 before its wait, once a chunk (attention.cu,
 # quantized_attention.cu): the whole chunk sent by each of its blocks decoded 4-5% slower after 8192
-# tokens over a float cache, 0-1% over a quantised one (design doc, "Fewer K/V rows sent to L2 before
-# the wait").
+# tokens over a float cache, up to 1.5% over a quantised one (design doc, "Fewer K/V rows sent to L2
+# before the wait").
 ATTN_PREFETCH_ROWS = 64
 
 _PTYPES = {"w": "const uint32_t*", "k_w": "const uint32_t*", "v_w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
