@@ -28,8 +28,17 @@
 
 #include "split_block.cuh"
   constexpr int WPL = BITS / 4;   // packed words holding a lane's 8 values
-  constexpr unsigned QMASK = (1u << BITS) - 1u;
   static_assert(GS % 8 == 0 && D % GS == 0, "a lane's 8 values lie in one quantisation group");
+  // Value j of a lane's packed words as a float: its bits under the exponent of 2^23, less 2^23
+  // (exact, on the integer and FMA pipes; a conversion instruction runs at a quarter of their rate,
+  // on the pipe that the loop's exp2 also takes).
+  auto qval = [](const unsigned* w, int j) -> float {
+#if BITS == 8
+    return __uint_as_float(__byte_perm(w[j / 4], 0x4B000000u, 0x7540u | (j % 4))) - 8388608.f;
+#else
+    return __uint_as_float(((w[0] >> (4 * j)) & 0xFu) | 0x4B000000u) - 8388608.f;
+#endif
+  };
 
 #ifdef AT_OFFSET
   const int n = off[0] + l + 1;
@@ -125,8 +134,8 @@
     float kf[8], vf[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      kf[j] = static_cast<float>((kq[j * BITS / 32] >> ((j * BITS) % 32)) & QMASK);
-      vf[j] = static_cast<float>((vq[j * BITS / 32] >> ((j * BITS) % 32)) & QMASK);
+      kf[j] = qval(kq, j);
+      vf[j] = qval(vq, j);
     }
 #pragma unroll
     for (int g = 0; g < GB; ++g) {

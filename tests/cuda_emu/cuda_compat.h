@@ -143,6 +143,7 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const uint64_t v = ((uint64_t)y << 32) | x;
   unsigned r = 0;
