@@ -40,8 +40,8 @@
 #                through BatchGenerator; PROMPT: prompt tokens, 512) -> results/cuda_trace_MODEL[_bBATCH].*
 #   ncu          Nsight Compute sections of the Qwen3-0.6B kernels
 #   ncu_layer    the same for a layer launch (MODEL=qwen3-8b to choose; PROMPT: cached positions, 512; KV_BITS=8
-#                or 4: over a quantised cache), with memory workload, stall reasons and the SASS lines that
-#                stall most (source counters) -> $OUT/ncu_layer.log
+#                or 4: over a quantised cache), with memory workload, warp state and source-counter summaries
+#                of the whole launch (not per phase; the stalling SASS lines need ncu's source page) -> $OUT/ncu_layer.log
 #   all          correctness, then phases and bench; every log in $OUT/all.tgz
 # Result files are written under benchmarks/results/ and copied to $OUT (the device returns what is
 # under $OUT). Each mode fits one 600 s device call; hand the machine back after a visit.
