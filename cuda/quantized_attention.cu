@@ -30,9 +30,9 @@
   constexpr int WPL = BITS / 4;   // packed words holding a lane's 8 values
   static_assert(GS % 8 == 0 && D % GS == 0, "a lane's 8 values lie in one quantisation group");
   // Value j of a lane's packed words as a float. 8 bits: the byte under the exponent of 2^23, less
-  // 2^23 (exact, on the integer and FMA pipes; a conversion instruction runs at a quarter of their
-  // rate, on the pipe the loop's exp2 also takes). 4 bits: a conversion (the other way, a shift,
-  // mask and add a value, decoded up to 1% slower: design doc).
+  // 2^23 (exact; a PRMT and an FADD, full-rate instructions, instead of a conversion, which has a
+  // fraction of their throughput). 4 bits: a conversion (the trick there, an OR and an FADD in its
+  // place, decoded up to 1% slower: design doc).
   auto qval = [](const unsigned* w, int j) -> float {
 #if BITS == 8
     return __uint_as_float(__byte_perm(w[j / 4], 0x4B000000u, 0x7540u | (j % 4))) - 8388608.f;
@@ -99,8 +99,8 @@
   const T* kbp = k_b + b * k_b_strides[0] + hk * k_b_strides[1] + d0 / GS;
   const T* vsp = v_s + b * v_s_strides[0] + hk * v_s_strides[1] + d0 / GS;
   const T* vbp = v_b + b * v_b_strides[0] + hk * v_b_strides[1] + d0 / GS;
-  // The next position's packed words, scales and biases are loaded before this one is used (two
-  // rows in flight in registers; an unrolled loop, which held their dequantised floats too, took
+  // The next position's packed words, scales and biases are loaded before this one is used (in the
+  // SASS, once this one has arrived; an unrolled loop, which held their dequantised floats too, took
   // the Qwen3-4B kv8 layer launch to 159 registers, 3 blocks per SM; this loop: 127, 4 per SM).
   unsigned nk[WPL], nv[WPL];
   T ns[4];
