@@ -29,10 +29,12 @@ is in each kernel): when the median / p90 block had waited for its inputs, done 
 staged; attention: its chunk read), written its own outputs, and ended (after a ticketed set's work,
 if it was the set's last). Then, per phase, by how many of its blocks an SM ran (phases.sm_load, in
 the median rep): how many SMs ran that many and when those blocks ended (the median).
-Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read and written, so
-that the launch finds other data in the 50 MB L2, as a decode step's layer does (the previous layer's
-rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit the
-L2 may still be there from the previous rep.
+Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are read (summed), so that
+the launch finds other, clean data in the 50 MB L2, as a decode step's layer does (the previous
+layer's rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit
+the L2 may still be there from the previous rep. Not written: a written buffer leaves the L2 dirty, and
+the launch then pays for its write-back (after 8192 tokens 4 us more attention a layer than a layer
+of a 36-layer launch; docs/cuda-design.md, "What limits decode").
 The stamps add a barrier and three stores per block: these are timings of an instrumented kernel,
 whose registers (hence blocks per SM) must be the plain launch's (tests/cuda_compile_check.py);
 the summary's resident blocks seen show it.
@@ -113,9 +115,8 @@ def measure(name, nlayers, prompt, reps, attn_blocks, disable, residents=(None,)
             stamped = []
             junk = mx.zeros(((flush_mb << 20) // 2,), dtype=mx.float16) if flush_mb else None
             for r in range(reps + 3):   # 3 warm-up launches
-                if junk is not None:   # the L2 holds other lines when the launch starts
-                    junk = junk + 1
-                    mx.eval(junk)
+                if junk is not None:   # the L2 holds other, clean lines when the launch starts
+                    mx.eval(junk.sum())
                 _, _, st, groups = layer.layers_launch(fbs[:n], x, off, bufs, stamps=True)
                 mx.eval(st)
                 stamped.append(st)
