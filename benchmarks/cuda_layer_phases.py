@@ -33,8 +33,8 @@ Before each launch, --flush-l2 MB (default 128, 0: none) of another buffer are r
 the launch finds other, clean data in the 50 MB L2, as a decode step's layer does (the previous
 layer's rows); without it a launch of one layer re-runs the same layer every rep, and weights that fit
 the L2 may still be there from the previous rep. Not written: a written buffer leaves the L2 dirty, and
-the launch then pays for its write-back (after 8192 tokens 4 us more attention a layer than a layer
-of a 36-layer launch; docs/cuda-design.md, "What limits decode").
+the launch then pays for its write-back (Qwen3-8B after 8192 tokens: 4-5 us more attention in the
+layer after such a flush than in a 36-layer launch's others; docs/cuda-design.md, "What limits decode").
 The stamps add a barrier and three stores per block: these are timings of an instrumented kernel,
 whose registers (hence blocks per SM) must be the plain launch's (tests/cuda_compile_check.py);
 the summary's resident blocks seen show it.
