@@ -64,7 +64,7 @@
     const int64_t k0 = b * kc_strides[0] + hk * kc_strides[1];
     const int64_t v0 = b * vc_strides[0] + hk * vc_strides[1];
     const int rows = min(end - start, PF_ROWS);
-    for (int e = tid + BLOCK_Y % NSUB * NW * 32; e < rows * LINES; e += NSUB * NW * 32) {
+    for (int e = tid + pf_first; e < rows * LINES; e += PF_STRIDE) {
       const int p = start + e / LINES, c = (e % LINES) * (128 / (int)sizeof(T));
       prefetch_l2(kc + k0 + p * kc_strides[2] + c);
       prefetch_l2(vc + v0 + p * vc_strides[2] + c);

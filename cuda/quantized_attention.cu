@@ -66,7 +66,7 @@
       const char* p0 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + start * st[2]);
       p0 -= reinterpret_cast<unsigned long long>(p0) & 127;   // from the first row's line
       const char* p1 = reinterpret_cast<const char*>(a + b * st[0] + hk * st[1] + last * st[2]) + row_bytes;
-      for (const char* p = p0 + (tid + BLOCK_Y % NSUB * NW * 32) * 128; p < p1; p += NSUB * NW * 32 * 128)
+      for (const char* p = p0 + (tid + pf_first) * 128; p < p1; p += PF_STRIDE * 128)
         prefetch_l2(p);
     };
     span(k_w, k_w_strides, D * BITS / 8);

@@ -14,5 +14,9 @@
   const int hk = BLOCK_Y / NSUB;
   const int g0 = (BLOCK_Y % NSUB) * GB;   // this block's first head within the kv head's group
   const int h0 = hk * G + g0;             // ... and within all H
+  // Sending a chunk's rows on to L2 before the wait (WAIT_INPUTS), its NSUB blocks take turns by runs
+  // of NW * 32 lines: this block's first line and the stride over the chunk's lines.
+  const int pf_first = (BLOCK_Y % NSUB) * NW * 32;
+  constexpr int PF_STRIDE = NSUB * NW * 32;
   const int bl = BLOCK_Z;
   const int b = bl / L, l = bl % L;
