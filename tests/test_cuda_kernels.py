@@ -238,35 +238,19 @@ def test_decode_attention_tickets_lengths_and_views(dtype, D, G, B, length, S):
                 assert rel(o[b, h], ref[b, h]) < 1e-2, (b, h)
 
 
-@pytest.mark.parametrize("D,G,gb,off", [(128, 4, 2, 1000), (64, 8, 8, 700), (128, 2, 1, 262)])
-def test_attention_long_chunks(D, G, gb, off, monkeypatch):
-    """Chunks of at least 128 positions (ATTN_MINCH raised): each online-softmax slot of a block
-    takes many rows, so its state is rescaled as its max grows (the tests above give a slot 1-4
-    rows); off + 1 is no multiple of the slots."""
-    monkeypatch.setattr(A, "ATTN_MINCH", 128)
-    dt, B, L, HKV = mx.bfloat16, 1, 1, 2
-    S = off + 64
-    q = mx.random.normal((B, L, HKV * G, D)).astype(dt)
-    kc = mx.random.normal((B, HKV, S, D)).astype(dt)
-    vc = mx.random.normal((B, HKV, S, D)).astype(dt)
-    kernels.clear_builders()   # (MINCH is not in the kernel cache's key: no kernel of it outlives the test)
-    try:
-        o = A.attention(q, kc, vc, offset_array(off), D ** -0.5, tickets(B * L * HKV * G), gb)
-        mx.eval(o)
-    finally:
-        kernels.clear_builders()
-    k, v = kc[:, :, :off + 1].astype(mx.float32), vc[:, :, :off + 1].astype(mx.float32)
-    ref = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3).astype(mx.float32), k, v,
-                                               scale=D ** -0.5).transpose(0, 2, 1, 3)
-    for h in range(HKV * G):
-        assert rel(o[:, :, h], ref[:, :, h]) < 1e-2, h
-
-
-@pytest.mark.parametrize("L,G,gb,off", [(2, 4, None, 200), (5, 4, None, 200), (1, 4, 2, 0), (1, 4, 2, 900),
-                                        (3, 8, 2, 300), (1, 8, 4, 2000), (2, 4, 1, 40)])
-def test_attention_multi_token_causal(L, G, gb, off):
+@pytest.mark.parametrize("L,G,gb,off,minch", [(2, 4, None, 200, None), (5, 4, None, 200, None), (1, 4, 2, 0, None),
+                                              (1, 4, 2, 900, None), (3, 8, 2, 300, None), (1, 8, 4, 2000, None),
+                                              (2, 4, 1, 40, None), (1, 4, 2, 1000, 128), (1, 8, 8, 700, 128),
+                                              (1, 2, 1, 262, 128)])
+def test_attention_multi_token_causal(L, G, gb, off, minch, monkeypatch, request):
     """L new tokens per row after `off` cached ones; gb < G: each block takes gb of the G query
-    heads of its kv head (as in the one-launch layer), one split or many."""
+    heads of its kv head (as in the one-launch layer), one split or many. minch: chunks of at least
+    that many positions (ATTN_MINCH), so each online-softmax slot takes many rows and rescales its
+    state as its max grows (the other cases give a slot 1-4 rows); off + 1 no multiple of the slots."""
+    if minch:   # (ATTN_MINCH is not in the kernel cache's key: no kernel built under it outlives the test)
+        monkeypatch.setattr(A, "ATTN_MINCH", minch)
+        kernels.clear_builders()
+        request.addfinalizer(kernels.clear_builders)
     dt, B, HKV, D = mx.bfloat16, 2, 2, 128
     S = off + L + 64
     q = mx.random.normal((B, L, HKV * G, D)).astype(dt)
