@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device visit on the H200 (after `source .device-wheels/b/install.sh`, ../shared/cuda-host/README.md);
 # logs go to $OUT. Usage: bash benchmarks/cuda_visit.sh MODE [ARGS]
-#   tests        pytest -m cuda tests/test_cuda_kernels.py tests/test_cuda_qmm.py tests/test_cuda_head.py tests/test_ops.py tests/test_cuda_prefill.py
+#   tests        pytest -m cuda tests/test_cuda_kernels.py tests/test_cuda_layer.py tests/test_cuda_launches.py
+#                tests/test_cuda_qmm.py tests/test_cuda_head.py tests/test_ops.py tests/test_cuda_prefill.py
 #                tests/test_cuda_quantized_kv.py
 #   models       pytest -m cuda tests/test_cuda_models.py tests/test_cuda_batch.py
 #   correctness  both suites side by side (each over 4 pytest-xdist workers where xdist is installed)
@@ -81,7 +82,7 @@ phases() {  # phases DIR TIMEOUT [--disable NAMES ...]
 }
 case "$mode" in
   tests)
-    timeout "${TEST_TIMEOUT:-560}" env PYTHONPATH="$TESTPATH" python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py tests/test_cuda_qmm.py tests/test_cuda_head.py tests/test_ops.py tests/test_cuda_prefill.py tests/test_cuda_quantized_kv.py -p no:cacheprovider \
+    timeout "${TEST_TIMEOUT:-560}" env PYTHONPATH="$TESTPATH" python3 -m pytest -m cuda -q -rf $XDIST tests/test_cuda_kernels.py tests/test_cuda_layer.py tests/test_cuda_launches.py tests/test_cuda_qmm.py tests/test_cuda_head.py tests/test_ops.py tests/test_cuda_prefill.py tests/test_cuda_quantized_kv.py -p no:cacheprovider \
       > "$OUT/test_kernels.log" 2>&1
     tail -n 8 "$OUT/test_kernels.log" ;;
   models)

@@ -162,7 +162,7 @@ def test_one_launch_layer_over_a_quantized_cache(name, B, L, bits, group, on_gpu
     for run in (variant, stamped):
         for a, b in zip((out_q, *bufs), (run[0], *run[1])):
             assert mx.array_equal(a, b)
-    from test_cuda_kernels import assert_marks_in_order
+    from cuda_checks import assert_marks_in_order
     attn = st[groups[0]:groups[0] + groups[1], 3:]
     assert (attn != 0).all(axis=1).any() and ((attn != 0).all(axis=1) | (attn == 0).all(axis=1)).all(), \
         "attention blocks marked partly or none"
