@@ -1,7 +1,9 @@
-"""The one-launch decoder layer (layer.py) against the block it replaces, evaluated in float32, and
-its launch rules (GEMV blocking by rows, phases on tensor cores, launch sizes, attention splits)
-kept bit for bit. On a machine with MLX's CUDA backend on the GPU (`pytest -m cuda`), elsewhere
-through the CPU emulator of tests/cuda_emu (tests/test_cuda_kernels.py says what that verifies)."""
+"""The one-launch decoder layer (layer.py) against the block it replaces, evaluated in float32 (the
+QKV bias on tensor cores too), and its launch rules: GEMV blocking by rows, phases on tensor cores,
+launch sizes, attention splits and head subgroups, and the blocking rules forced onto tiny models
+keeping the outputs bit for bit. On a machine with MLX's CUDA backend on the GPU (`pytest -m cuda`),
+elsewhere through the CPU emulator of tests/cuda_emu (tests/test_cuda_kernels.py says what that
+verifies)."""
 
 import mlx.core as mx
 import numpy as np
