@@ -25,10 +25,11 @@
 //
 // K runs in slices of KS groups (all of K in TILE8 and where the staged x fits: gemv.py's mma_plan), each
 // staged once per block: for each slice, the block runs its tiles (block b: tiles b, b + STREAM,
-// ...; STREAM 0: tile b alone), its NW warps splitting the slice in chunks of 4 groups (128 bytes
-// of a row). A warp adds its partial of a tile to its slot in shared memory (slices in order);
-// after the last slice the slots of a tile are added in warp order, so the float arithmetic
-// depends on KS but not on the blocking. A tile's rows go to L2 while the one before runs.
+// ...; TILE_QUEUE: b, then the queue's; STREAM 0: tile b alone), its NW warps splitting the slice
+// in chunks of 4 groups (128 bytes of a row). A warp adds its partial of a tile to its slot in
+// shared memory (slices in order); after the last slice the slots of a tile are added in warp
+// order, so the float arithmetic depends on KS but not on the blocking. A tile's rows go to L2
+// while the one before runs.
 //
 // Optional input RMSNorm (HAS_NORM, row_norm.cuh): x <- T(T(x * s_inv) * nw) as it is staged, the
 // rounding points of mx.fast.rms_norm. Before WAIT_INPUTS (a phase of the one-launch layer) the
@@ -42,7 +43,8 @@
 // gemv.cu's EPI 3 does.
 // Defines: T (bf16 / f16), MMA_BF16, M (<= 8: the mma's n), NW, EPI, TILE8, HAS_NORM (+ EPS), KS, STREAM,
 // TPB (sets of partials: the most tiles a block runs where K is sliced, else 1), BLOCK_X, [WAIT_INPUTS],
-// [NO_EARLY_PREFETCH], [PHASE_MARKS]; EPI 3: HAS_BIAS and head.cuh's (L, H, HKV, D, ...).
+// [NO_EARLY_PREFETCH], [PHASE_MARKS], [TILE_QUEUE (STREAM, K in one slice: the offset of the phases'
+// queues in WAIT_INPUTS' ctr)]; EPI 3: HAS_BIAS and head.cuh's (L, H, HKV, D, ...).
 // KS, TPB and STREAM are planned for one K and N (gemv.py's mma_plan; builds are keyed on shapes).
 // Inputs: x [M, K] (K a multiple of 256), w [N, K/8] uint32, sc / bi [N, K/64], [nw [K]], [bias [N]], [res [M, N]];
 // EPI 3: head.cuh's inputs, then cnt (a ticket per head). Output: y [M, N] (EPI 2: [M, N/2]); EPI 3:
@@ -105,6 +107,16 @@
   Chunk ka, kb;   // ping-pong: the next chunk loads while this one is used
   item(BLOCK_X, 0);
   if (cb < ce) load(ka, cb);
+#ifdef TILE_QUEUE
+  // A block's tiles after its first come from the phase's queue (ctr[TILE_QUEUE + its group]):
+  // thread 0 takes the next one as a tile starts and passes it on through s_queued at the tile's
+  // barrier, so a block that runs faster (fewer blocks on its SM, an earlier entry) takes more of
+  // them (the next tile's rows are not sent to L2 ahead: it is known only then). A tile's sums do
+  // not depend on the block that runs it.
+  static_assert(STREAM && TPB == 1 && !TILE8, "gemv_mma.cu: TILE_QUEUE takes a streamed phase, K in one slice");
+  __shared__ int s_queued[2];
+  int* const queue = const_cast<int*>(ctr) + TILE_QUEUE + wait_g + 1;
+#endif
 #ifdef WAIT_INPUTS
 #ifndef NO_EARLY_PREFETCH
   prefetch_item();
@@ -267,10 +279,18 @@
     if (s == 0) layer_mark(stamps, 1);
 #endif
 
+#ifdef TILE_QUEUE
+    int q_tile = BLOCK_X;
+    for (int i = 0; q_tile < tiles; ++i) {   // this block's tiles: its first, then the queue's
+      const int tile = q_tile, next_tile = tiles, next_s = NS;   // (the next is known at the barrier)
+      int queued = tiles;
+      if (threadIdx.x == 0) queued = STREAM + atomicAdd(queue, 1);   // past the last tile: none
+#else
     for (int i = 0; i < ntiles; ++i) {   // this block's tiles over the slice
       const int tile = BLOCK_X + i * STREAM;
       // the next item: this slice's next tile, else the block's first tile of the next slice
       const int next_tile = i + 1 < ntiles ? tile + STREAM : BLOCK_X, next_s = i + 1 < ntiles ? s : s + 1;
+#endif
       if (next_s < NS) {   // its rows go to L2 while this one runs
         item(next_tile, next_s);
         prefetch_item();
@@ -326,13 +346,26 @@
       // this warp's partial of the tile: kept in slot i over the slices, added in warp order after the last
       float4 (&slots)[NW][32] = s_acc[NS > 1 ? i : 0];
       const bool last = s + 1 == NS;
+#ifdef TILE_QUEUE
+      if (threadIdx.x == 0) s_queued[(i + 1) & 1] = queued;   // (the other entry: read before the last barrier)
+#endif
       if (last) __syncthreads();   // (one slice: warp 0 is done with the previous tile's slots)
+#ifdef TILE_QUEUE
+      q_tile = s_queued[(i + 1) & 1];
+#endif
       const float4 prev = s > 0 ? slots[warp][lane] : make_float4(0.f, 0.f, 0.f, 0.f);
       slots[warp][lane] = make_float4(prev.x + acc[0], prev.y + acc[1], prev.z + acc[2], prev.w + acc[3]);
+#ifdef TILE_QUEUE
+      if (q_tile < tiles) {   // the queue's next tile: its first chunk
+        item(q_tile, 0);
+        if (cb < ce) load(ka, cb);
+      }
+#else
       if (next_s < NS) {
         item(next_tile, next_s);
         if (cb < ce) load(ka, cb);
       }
+#endif
       if (!last) continue;
       __syncthreads();
       if (warp != 0) continue;

@@ -9,7 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_fastops import kernels
 from mlx_fastops.backends.cuda import attention as A
+from mlx_fastops.backends.cuda import gemv as G
 from mlx_fastops.backends.cuda import block, layer, step
 from mlx_fastops.backends.cuda.phases import STAMP_COLS, sm_load
 from mlx_fastops.backends.cuda.source import offset_array
@@ -19,9 +21,10 @@ from cuda_checks import ON_GPU, assert_marks_in_order
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("on_gpu")]   # on_gpu: the GPU, else the emulator
 
 
-@pytest.mark.parametrize("name,batch,L,layers", [("qwen3-tiny", 1, 1, 3), ("llama-tiny", 2, 2, 2),
-                                                 ("qwen2-tiny", 1, 1, 3), ("qwen3-tiny", 2, 1, 3)])
-def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkeypatch):
+@pytest.mark.parametrize("name,batch,L,layers,wave", [("qwen3-tiny", 1, 1, 3, None), ("llama-tiny", 2, 2, 2, None),
+                                                      ("qwen2-tiny", 1, 1, 3, None), ("qwen3-tiny", 2, 1, 3, None),
+                                                      ("llama-tiny", 1, 1, 3, 3)])
+def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, wave, monkeypatch, request):
     """Every layer of a short model in one launch (the residual stream between them in scratch
     outputs, one call site per phase) computes exactly what one launch
     per layer computes; so does the launch with phase stamps (layers_launch(stamps=True), which
@@ -30,16 +33,25 @@ def test_layers_in_one_launch_match_one_per_layer(name, batch, L, layers, monkey
     the valid length exit at once), across the layers; every block that waits marks its wait's end
     after the group before it ended, then its first step and its written outputs, in that order
     before its end (one that exits early marks nothing); the benchmark's per-phase tables of them
-    are ordered the same way."""
+    are ordered the same way. wave: a wave of that many blocks, so gate/up (gemv_mma.cu) runs its tiles
+    a few blocks at a time, from each layer's tile queue (gemv_mma.cu's TILE_QUEUE)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
     monkeypatch.setenv("MLX_FASTOPS_BACKEND", "cuda")
+    if wave:   # (RESIDENT_BLOCKS is not in the kernel cache's key: no kernel built under it outlives the test)
+        monkeypatch.setattr(G, "RESIDENT_BLOCKS", wave)
+        kernels.clear_builders()
+        request.addfinalizer(kernels.clear_builders)
     model = synthetic_model(name, bits=4, dtype=mx.bfloat16, seed=3, layers=layers)
     mlx_fastops.patch(model, disable=("compile",))
     try:
         fbs = [layer.fast_fn for layer in model.model.layers]
         assert len(fbs) == layers and all(fb.launch_key() == fbs[0].launch_key() for fb in fbs)
+        if wave:
+            N, tiles = fbs[0].gate_up.out_features, G.mma_tiles(fbs[0].gate_up.out_features, 2)
+            assert G.mma_takes(mx.bfloat16, batch * L, fbs[0].K, N, 4, 64, 2, False, True)
+            assert tiles > 2 * G.stream_blocks(tiles)   # 3 or more tiles a block: queued
         P, D, HKV = 300, fbs[0].D, fbs[0].HKV
         caches = [[mx.random.normal((batch, HKV, 512, D)).astype(mx.bfloat16) for _ in range(2)] for _ in fbs]
         x = mx.random.normal((batch, L, model.args.hidden_size)).astype(mx.bfloat16)

@@ -13,7 +13,7 @@ from ...ops.weights import PackedLinear, adapter_of
 from .attention import MAX_GQA, attention, head_subgroup
 from .cache import StaticKVCache, StaticQuantizedKVCache
 from .head import cache_inputs
-from .layer import LAYER_GROUPS, layers_launch
+from .layer import LAYER_GROUPS, layers_launch, queue_offset
 from .qmm import QMM_MAX_ROWS, head_tickets, norm_tickets, qmm, qmm_head, takes_weight
 from .source import HALF, MAX_ROWS, offset_array, tickets
 
@@ -166,10 +166,11 @@ class FastBlock:
         return qmm(g, self.down, epi=1, res=h, norm=next_norm, cnt=self.norm_tickets)
 
     def layer_counters(self, nlayers):
-        """Zeroed group counters of a launch of nlayers layers led by this block (left zero)."""
+        """Zeroed counters of a launch of nlayers layers led by this block (left zero): a counter per
+        group, then from layer.queue_offset a tile queue per group (gemv_mma.cu's TILE_QUEUE)."""
         c = self._counters.get(nlayers)
         if c is None:
-            c = self._counters[nlayers] = tickets(LAYER_GROUPS * nlayers)
+            c = self._counters[nlayers] = tickets(queue_offset(nlayers) + LAYER_GROUPS * nlayers)
         return c
 
     def layer_arrays(self, j, head, bufs):

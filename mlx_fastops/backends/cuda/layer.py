@@ -29,7 +29,7 @@ import mlx.core as mx
 from ...kernels import cached_builder, cuda_kernel, read_source
 from .attention import attn_defines, attn_partials
 from .gemv import (BLOCKS_PER_SM, gemv_blocks, gemv_config, gemv_defines, gemv_inputs, gemv_outputs, mma_defines,
-                   mma_plan, mma_stage_bytes, mma_takes, stream_blocks, x_stage, x_stage_bytes)
+                   mma_plan, mma_stage_bytes, mma_takes, mma_tiles, stream_blocks, x_stage, x_stage_bytes)
 from .head import cache_inputs
 from .phases import STAMP_COLS, layer_sets
 from .source import CTYPE, STANDALONE, kernel_name, source
@@ -40,6 +40,14 @@ LAYER_GROUPS = 5   # QKV head, attention, o_proj, gate/up, down
 # tokens over a float cache, up to 1.5% over a quantised one (design doc, "Fewer K/V rows sent to L2
 # before the wait").
 ATTN_PREFETCH_ROWS = 64
+
+
+def queue_offset(nlayers):
+    """Where a launch of nlayers layers keeps its tile queues in its counters: past the group
+    counters, from a 128-byte line of their own (the waits poll the group counters' line with plain
+    loads, which would queue behind the queues' atomics); the counters are offset + a queue a group."""
+    return -(-LAYER_GROUPS * nlayers // 32) * 32
+
 
 _PTYPES = {"w": "const uint32_t*", "k_w": "const uint32_t*", "v_w": "const uint32_t*", "off": "const int32_t*", "lp": "const int32_t*", "cnt": "const int32_t*",
            "ctr": "const int32_t*", "rf": "const float*", "wait_g": "int", "wait_n": "int",
@@ -117,6 +125,13 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
             plan = mma_plan(M, K, N, epi)
             stage_bytes, launched = mma_stage_bytes(M, N, epi, plan), plan[2]
             src, d = "gemv_mma.cu", mma_defines(dtype, M, N, epi, eps, plan, hd, has_bias)
+            # A streamed phase whose K is one slice takes the tiles after a block's first from a queue
+            # (gemv_mma.cu, TILE_QUEUE) where blocks have 3 or more (with 2, every block takes its second
+            # as its first starts: nothing is left to share by speed). An SM's blocks share its memory
+            # throughput, so fixed shares ended unevenly: Qwen3-4B's one-row gate/up 17.4 -> 14.4 us,
+            # decode 1.03x (8B 1.06x) with the queue (design doc, "Inside a phase").
+            if d["STREAM"] and plan[0] * 64 >= K and mma_tiles(N, epi) > 2 * d["STREAM"]:
+                d["TILE_QUEUE"] = queue_offset(nlayers)
         else:
             vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
             stage = x_stage(M, K, dtype, bits, vec, room)
@@ -189,7 +204,7 @@ def _one_layer_body(phase_args, sizes, nlayers, stamps):
     calls = [f"{f}(blk, {', '.join(map(name, args))})" for f, args in phase_args("x", "out", w)]
     last = LAYER_GROUPS - 1
     body = ["  int blk = blockIdx.x;"] + (["  layer_stamp_entry(stamps);"] if stamps else [])
-    body += _dispatch(calls, sizes, str, lambda p: [], _counter_reset(last, sizes[last], LAYER_GROUPS), stamps)
+    body += _dispatch(calls, sizes, str, lambda p: [], _counter_reset(last, sizes[last], queue_offset(1) + LAYER_GROUPS), stamps)
     return "\n".join(body) + "\n"
 
 
@@ -223,15 +238,16 @@ def _loop_body(phase_args, sizes, nlayers, stamps):
         lines += ["    switch (j) {"] + [f"      case {k}: {pick(k)} break;" for k in range(1, nlayers)] + ["    }"]
         picks.append(lines)
     last = LAYER_GROUPS - 1
-    reset = _counter_reset(f"g0 + {last}", sizes[last], LAYER_GROUPS * nlayers, f" && j == {nlayers - 1}")
+    reset = _counter_reset(f"g0 + {last}", sizes[last], queue_offset(nlayers) + LAYER_GROUPS * nlayers,
+                           f" && j == {nlayers - 1}")
     body += _dispatch(calls, sizes, lambda p: f"g0 + {p}", lambda p: picks[p], reset, stamps)
     return "\n".join(body) + "\n"
 
 
 def _counter_reset(group, arrivals, counters, only_if=""):
     """CUDA lines ending a launch's last phase: the block that finishes last (the `arrivals`-th
-    of group counter `group`, where `only_if` also holds) zeroes the launch's `counters` group
-    counters for the next launch."""
+    of group counter `group`, where `only_if` also holds) zeroes the launch's `counters` counters
+    (its groups', then their tile queues: queue_offset) for the next launch."""
     return ["__syncthreads();",
             "if (threadIdx.x == 0) {   // the last block of the launch resets the counters for the next one",
             f"  if (layer_arrive_last(ctr, {group}) == {arrivals} - 1{only_if}) {{",

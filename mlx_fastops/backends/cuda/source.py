@@ -23,7 +23,7 @@ PAD_WORDS = 4  # a batch cache's left padding, int32[max(B, PAD_WORDS)]: over 8 
 STANDALONE = dict(BLOCK_X="blockIdx.x", BLOCK_Y="blockIdx.y", BLOCK_Z="blockIdx.z", GRID_X="gridDim.x")
 # Features a kernel has where the wrapper defines them, and lacks otherwise: an `#ifdef` on one that
 # is not defined is cut here, so a kernel without the feature has the source it had before it.
-FLAGS = ("LEFT_PAD", "KV_BITS", "AT_OFFSET", "PHASE_MARKS", "NO_EARLY_PREFETCH")
+FLAGS = ("LEFT_PAD", "KV_BITS", "AT_OFFSET", "PHASE_MARKS", "NO_EARLY_PREFETCH", "TILE_QUEUE")
 _INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 
