@@ -29,7 +29,7 @@
 // in chunks of 4 groups (128 bytes of a row). A warp adds its partial of a tile to its slot in
 // shared memory (slices in order); after the last slice the slots of a tile are added in warp
 // order, so the float arithmetic depends on KS but not on the blocking. A tile's rows go to L2
-// while the one before runs.
+// while the one before runs (not a queued tile's: TILE_QUEUE below).
 //
 // Optional input RMSNorm (HAS_NORM, row_norm.cuh): x <- T(T(x * s_inv) * nw) as it is staged, the
 // rounding points of mx.fast.rms_norm. Before WAIT_INPUTS (a phase of the one-launch layer) the
@@ -114,7 +114,7 @@
   // them (the next tile's rows are not sent to L2 ahead: it is known only then). A tile's sums do
   // not depend on the block that runs it.
   static_assert(STREAM && TPB == 1 && !TILE8, "gemv_mma.cu: TILE_QUEUE takes a streamed phase, K in one slice");
-  __shared__ int s_queued[2];
+  __shared__ int s_queued;
   int* const queue = const_cast<int*>(ctr) + TILE_QUEUE + wait_g + 1;
 #endif
 #ifdef WAIT_INPUTS
@@ -347,11 +347,11 @@
       float4 (&slots)[NW][32] = s_acc[NS > 1 ? i : 0];
       const bool last = s + 1 == NS;
 #ifdef TILE_QUEUE
-      if (threadIdx.x == 0) s_queued[(i + 1) & 1] = queued;   // (the other entry: read before the last barrier)
+      if (threadIdx.x == 0) s_queued = queued;   // (read after this barrier, written again after the next)
 #endif
       if (last) __syncthreads();   // (one slice: warp 0 is done with the previous tile's slots)
 #ifdef TILE_QUEUE
-      q_tile = s_queued[(i + 1) & 1];
+      q_tile = s_queued;
 #endif
       const float4 prev = s > 0 ? slots[warp][lane] : make_float4(0.f, 0.f, 0.f, 0.f);
       slots[warp][lane] = make_float4(prev.x + acc[0], prev.y + acc[1], prev.z + acc[2], prev.w + acc[3]);

@@ -310,14 +310,17 @@ def test_attention_splits_within_one_wave(name, heads, one_row):
 
 @pytest.mark.parametrize("variant,name,batch,L", [
     ("one_wave", "qwen3-tiny", 1, 1), ("one_wave", "llama-tiny", 2, 1), ("stream", "qwen3-tiny", 1, 1),
-    ("stream", "qwen3-tiny", 2, 1), ("stream_mma", "llama-tiny", 1, 1), ("stream_mma", "llama-tiny", 2, 3)])
+    ("stream", "qwen3-tiny", 2, 1), ("stream_mma", "llama-tiny", 1, 1), ("stream_mma", "llama-tiny", 2, 3),
+    ("stream_mma_2", "llama-tiny", 1, 1)])
 def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
     """The launch's blocking rules, forced onto a tiny model by a smaller wave, keep the layer's
     outputs and cache rows bit for bit. one_wave (a one-block wave, any K): every GEMV phase takes
     its most rows per warp (QKV 4, so its blocks tile a head in 4 instead of 16). stream (a
     three-block wave): the o_proj, gate/up and down phases run their row groups 3 blocks at a time,
     in uneven shares, against one group per block (gemv.cu: Qwen3-tiny's K = 192 is not gemv_mma.cu's).
-    stream_mma: the same over gemv_mma.cu's tiles (gate/up's 56 tiles 3 blocks at a time)."""
+    stream_mma: the same over gemv_mma.cu's tiles (gate/up's 56 tiles 3 blocks at a time: each block's
+    first, then from the tile queue). stream_mma_2: a 28-block wave, 2 tiles a block in fixed shares
+    (no queue)."""
     from mlx_fastops import synthetic_model
     import mlx_fastops
 
@@ -337,15 +340,19 @@ def test_layer_blocking_keeps_bits(variant, name, batch, L, monkeypatch):
             kernels.clear_builders()
             assert G.gemv_config(M, K, fb.qkv.out_features, 4, 3, True)[1] == 4
         else:
-            monkeypatch.setattr(G, "RESIDENT_BLOCKS", 3)
+            monkeypatch.setattr(G, "RESIDENT_BLOCKS", 28 if variant == "stream_mma_2" else 3)
             kernels.clear_builders()
             N = fb.gate_up.out_features
-            assert G.mma_takes(mx.bfloat16, M, K, N, 4, 64, 2, False, True) == (variant == "stream_mma")
-            if variant == "stream_mma":
+            on_mma = variant.startswith("stream_mma")
+            assert G.mma_takes(mx.bfloat16, M, K, N, 4, 64, 2, False, True) == on_mma
+            if on_mma:
                 nb = G.mma_tiles(N, 2)
             else:
                 nb = G.gemv_blocks(N, 2, G.gemv_config(M, K, N, 4, 2, True)[1], 4)
-            assert G.stream_blocks(nb) == 3 and nb % 3   # streamed, in uneven shares
+            if variant == "stream_mma_2":
+                assert G.stream_blocks(nb) * 2 == nb   # streamed, 2 tiles a block
+            else:
+                assert G.stream_blocks(nb) == 3 and nb % 3   # streamed, in uneven shares
         forced = layer_outputs(fb, x, k0)
     finally:
         mlx_fastops.unpatch(model)

@@ -107,11 +107,12 @@ def captured_layer(case, M=1, nlayers=1, nsplit=17, bias=False, lpad=False):
 def test_layer_source_size():
     """The Qwen3-8B one-launch layer as MLX receives it (compacted; 91 KB before these steps; at one
     row its o_proj, gate/up and down phases on gemv_mma.cu: 46 KB, 49.6 KB since its staging loads two
-    items a thread, 50.2 KB with gate/up's tile queue; QKV, which takes it in a layer of its own, stays
+    items a thread, 50.1 KB with gate/up's tile queue; QKV, which takes it in a layer of its own, stays
     on gemv.cu here: captured_layer builds with large=False)."""
     got = captured_layer(QWEN3_8B)
     size = len(got["header"]) + len(got["source"])
     assert "//" not in got["header"] and "#if EPI" not in got["header"]
+    assert "#define TILE_QUEUE " in got["header"]   # its one-row gate/up takes the tile queue
     assert size < 51_000, size
 
 

@@ -73,7 +73,7 @@ class FastBlock:
         # attention: per row, kv head and head subgroup)
         self.head_tickets = tickets(head_tickets(self.H, self.HKV))
         self.attn_tickets = tickets(MAX_ROWS * self.H)
-        self._counters = {}   # layer launches' group counters, per layers per launch
+        self._counters = {}   # layer launches' group counters and tile queues, per layers per launch
         self.weights = sum(w.in_features * w.out_features for w in (self.qkv, self.gate_up, self.o, self.down))
         self.gb = head_subgroup(self.H // self.HKV)   # query heads per attention block
         # `wide` takes decode steps of up to QMM_MAX_ROWS rows where qmm takes all four weights

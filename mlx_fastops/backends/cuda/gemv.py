@@ -73,7 +73,8 @@ STAGE_MAX_BYTES = 32 * 1024
 def stream_blocks(nb):
     """Blocks launched for a phase of the one-launch layer with nb row groups, each running
     ceil(nb / blocks) of them in turn (gemv.cu, STREAM): one wave of equal shares where nb would
-    leave later waves (Qwen3-8B gate/up 1536 -> 512 blocks of 3, 4B 1216 -> 406)."""
+    leave later waves (Qwen3-8B gate/up 1536 -> 512 blocks of 3, 4B 1216 -> 406; gemv_mma.cu's
+    blocks of 3 or more take theirs from a tile queue instead: layer.py)."""
     if nb <= RESIDENT_BLOCKS:
         return nb
     per = -(-nb // RESIDENT_BLOCKS)

@@ -110,6 +110,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     (qb, qg, qN, qK), (ob, og, oN, oK), (ub, ug, uN, uK), (db, dg, dN, dK) = shapes
     sizes = []   # blocks per phase
     smem = [0]   # dynamic shared memory: the largest of the phases' (staged x; gemv_mma.cu's partials too)
+    queued = [False]   # whether a phase takes its tiles from a queue
     header = [read_source("cuda", "layer.cuh")]
 
     # The launch's static shared memory is the sum of its phases'; attention blocks of more than 256
@@ -129,9 +130,10 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
             # (gemv_mma.cu, TILE_QUEUE) where blocks have 3 or more (with 2, every block takes its second
             # as its first starts: nothing is left to share by speed). An SM's blocks share its memory
             # throughput, so fixed shares ended unevenly: Qwen3-4B's one-row gate/up 17.4 -> 14.4 us,
-            # decode 1.03x (8B 1.06x) with the queue (design doc, "Inside a phase").
+            # decode 1.03x (8B 1.06x) with the queue (design doc, "Shares by speed").
             if d["STREAM"] and plan[0] * 64 >= K and mma_tiles(N, epi) > 2 * d["STREAM"]:
                 d["TILE_QUEUE"] = queue_offset(nlayers)
+                queued[0] = True
         else:
             vec, R, nw = gemv_config(M, K, N, bits, epi, one_wave=True)
             stage = x_stage(M, K, dtype, bits, vec, room)
@@ -177,7 +179,7 @@ def layer_build(dtype, M, shapes, eps_in, eps_post, bias, head_items, nsplit, sc
     own = dict.fromkeys(a[0] for _, args in phase_args("x", "out", lambda p: []) for a in args
                         if not isinstance(a, str) and not a[1])   # a layer's own arrays, in call order
     inputs = ["x", "off", "head_cnt", "attn_cnt", "ctr"] + [f"{b}{j}" for j in range(nlayers) for b in own]
-    body = (_loop_body if nlayers > 1 else _one_layer_body)(phase_args, sizes, nlayers, stamps)
+    body = (_loop_body if nlayers > 1 else _one_layer_body)(phase_args, sizes, nlayers, stamps, queued[0])
     return _layer_kernel(header, body, inputs, nlayers, stamps, smem[0]), groups, inputs
 
 
@@ -197,18 +199,19 @@ def _dispatch(calls, sizes, group, picks, reset, stamps):
     return lines
 
 
-def _one_layer_body(phase_args, sizes, nlayers, stamps):
+def _one_layer_body(phase_args, sizes, nlayers, stamps, queued):
     """One layer's launch: phase p is counter group p; its inputs carry the suffix 0."""
     w = lambda p: ["ctr", str(p - 1), str(sizes[p - 1] if p > 0 else 0)]   # p = 0: no wait (g < 0)
     name = lambda a: a if isinstance(a, str) else f"{a[0]}0{a[1]}"
     calls = [f"{f}(blk, {', '.join(map(name, args))})" for f, args in phase_args("x", "out", w)]
     last = LAYER_GROUPS - 1
     body = ["  int blk = blockIdx.x;"] + (["  layer_stamp_entry(stamps);"] if stamps else [])
-    body += _dispatch(calls, sizes, str, lambda p: [], _counter_reset(last, sizes[last], queue_offset(1) + LAYER_GROUPS), stamps)
+    reset = _counter_reset(last, sizes[last], LAYER_GROUPS, queue_offset(1) if queued else None)
+    body += _dispatch(calls, sizes, str, lambda p: [], reset, stamps)
     return "\n".join(body) + "\n"
 
 
-def _loop_body(phase_args, sizes, nlayers, stamps):
+def _loop_body(phase_args, sizes, nlayers, stamps, queued):
     """A launch of nlayers layers with one call site per phase: each block takes its layer j's
     inputs, picked at run time from the kernel's parameters (the picks name every layer's inputs
     literally: MLX passes an input's strides only where its source names them). Shapes are equal
@@ -238,20 +241,22 @@ def _loop_body(phase_args, sizes, nlayers, stamps):
         lines += ["    switch (j) {"] + [f"      case {k}: {pick(k)} break;" for k in range(1, nlayers)] + ["    }"]
         picks.append(lines)
     last = LAYER_GROUPS - 1
-    reset = _counter_reset(f"g0 + {last}", sizes[last], queue_offset(nlayers) + LAYER_GROUPS * nlayers,
-                           f" && j == {nlayers - 1}")
+    reset = _counter_reset(f"g0 + {last}", sizes[last], LAYER_GROUPS * nlayers,
+                           queue_offset(nlayers) if queued else None, f" && j == {nlayers - 1}")
     body += _dispatch(calls, sizes, lambda p: f"g0 + {p}", lambda p: picks[p], reset, stamps)
     return "\n".join(body) + "\n"
 
 
-def _counter_reset(group, arrivals, counters, only_if=""):
+def _counter_reset(group, arrivals, counters, queues, only_if=""):
     """CUDA lines ending a launch's last phase: the block that finishes last (the `arrivals`-th
-    of group counter `group`, where `only_if` also holds) zeroes the launch's `counters` counters
-    (its groups', then their tile queues: queue_offset) for the next launch."""
+    of group counter `group`, where `only_if` also holds) zeroes the launch's `counters` group
+    counters and, from `queues` (None: the launch has none), as many tile queues for the next launch."""
+    zero = [f"    for (int i = 0; i < {counters}; ++i) const_cast<int*>(ctr)[i] = 0;"]
+    if queues is not None:
+        zero.append(f"    for (int i = {queues}; i < {queues + counters}; ++i) const_cast<int*>(ctr)[i] = 0;")
     return ["__syncthreads();",
             "if (threadIdx.x == 0) {   // the last block of the launch resets the counters for the next one",
-            f"  if (layer_arrive_last(ctr, {group}) == {arrivals} - 1{only_if}) {{",
-            f"    for (int i = 0; i < {counters}; ++i) const_cast<int*>(ctr)[i] = 0;", "  }", "}"]
+            f"  if (layer_arrive_last(ctr, {group}) == {arrivals} - 1{only_if}) {{", *zero, "  }", "}"]
 
 
 def _layer_kernel(header, body, inputs, nlayers, stamps, smem):
